@@ -1,0 +1,444 @@
+"""
+A decoder-only RoFormer: a GPT-style language model whose attention knows positions only
+through Rotary Position Embedding (RoPE, Su et al. 2021). Read top to bottom:
+
+  1. RoPE: the angle table and the rotation.
+  2. Linear attention (RoFormer eq. 19): chunked causal form, also used for decoding.
+  3. Attention, MLP, Block, RoFormer (forward, generate, optimizer, FLOPs).
+
+Everything a decoding step needs (the KV cache, the recurrent state) lives in this file.
+Imports torch only.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class RoFormerConfig:
+    vocab_size: int = 4096
+    block_size: int = 256         # training context; also the attention window when decoding past it
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = False            # biases in Linear and LayerNorm
+    rope_base: float = 10000.0
+    attention: str = "softmax"    # "softmax" | "linear"
+    feature_map: str = "elu"      # linear attention only: "elu" (elu+1) | "relu"
+    pos_encoding: str = "rope"    # "rope" | "learned" | "sinusoidal" | "none" (baselines)
+    linear_chunk: int = 64        # chunk length of the causal linear-attention kernel
+    linear_norm: bool = False     # RMS-normalise each linear-attention head's output
+    rope_scaling: str = "none"    # context extension at inference: "none" | "linear" | "ntk"
+    rope_factor: float = 1.0      # how many times block_size the scaled RoPE should cover
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        choices = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
+                   "pos_encoding": ("rope", "learned", "sinusoidal", "none"),
+                   "rope_scaling": ("none", "linear", "ntk")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"RoPE rotates pairs of channels: head dim n_embd/n_head = "
+                             f"{self.n_embd // self.n_head} must be even")
+        if self.pos_encoding == "sinusoidal" and self.n_embd % 2:
+            raise ValueError(f"sinusoidal positions need an even n_embd, got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.rope_base <= 1.0 or self.rope_factor < 1.0:
+            raise ValueError(f"rope_base must be > 1 and rope_factor >= 1, got "
+                             f"{self.rope_base} and {self.rope_factor}")
+
+
+# ----------------------------------------------------------------------------------------
+# 1. RoPE
+#
+# Pairing convention: channel i of a head is paired with channel i + d/2 ("half split", as in
+# GPT-NeoX), and pair i turns by angle m * theta_i at position m. The paper pairs adjacent
+# channels (2i, 2i+1) instead; the two differ only by a fixed permutation of the q/k output
+# channels, which the learned projection absorbs, so the maths is the same. Half split needs
+# no interleaving, just two slices. Checkpoints are not interchangeable with the other layout.
+
+def rope_angles(head_dim, n_pos, base=10000.0, scaling="none", factor=1.0, block_size=None):
+    """(n_pos, head_dim/2) angle table m * theta_i, built in float64, returned as float32.
+
+    In float32, m * theta is off by ~1e-2 rad at m = 1e5 and by whole radians past 1e7; the
+    product is formed in float64 and only the final angle is rounded.
+    Context extension (no retraining needed, both from the follow-up literature):
+      linear: positions are divided by `factor` (position interpolation);
+      ntk:    the base grows to base * factor^(d/(d-2)), stretching low frequencies most.
+    """
+    if scaling == "ntk":
+        base = base * factor ** (head_dim / (head_dim - 2))
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    pos = torch.arange(n_pos, dtype=torch.float64)
+    if scaling == "linear":
+        pos = pos / factor
+    return torch.outer(pos, inv_freq).float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x (..., T, D) by the (T, D/2) tables. Done in float32 (float64 stays float64)
+    so a bf16 activation never meets a bf16-rounded angle; the result has x's dtype."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+def sinusoidal_embedding(pos, dim):
+    """The fixed absolute encoding of 'Attention Is All You Need', for the baseline."""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim)
+    ang = pos.double()[:, None] * inv_freq
+    return torch.cat((ang.sin(), ang.cos()), dim=-1).float()
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Linear attention, RoFormer eq. 19, causal:
+#
+#   o_m = sum_{n<=m} (R_m phi(q_m))^T (R_n phi(k_n)) v_n / (sum_{n<=m} phi(q_m)^T phi(k_n) + eps)
+#
+# The rotation sits in the numerator only, so the denominator stays a positive sum. A
+# consequence of the formula (not a bug): the weights of the v_n can be negative and need not
+# sum to one; on random inputs their sum is ~1 at the first position and shrinks to ~0.25
+# after a thousand tokens, so the output scale drifts with position. `linear_norm` (an RMS norm
+# per head) is the knob that removes that drift.
+#
+# Chunked form: inside a chunk of C tokens, a masked C x C product; across chunks, the
+# running state S = sum R_n phi(k_n) v_n^T (d x d_v) and z = sum phi(k_n) (d). Only one d x d_v
+# state per chunk is ever held (N/C of them), never the (N, d, d_v) prefix sums. Decoding is
+# the same function with a one-token chunk and the state carried across calls.
+
+def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, state=None,
+                     eps=1e-6):
+    """q, k: (B, H, N, D), v: (B, H, N, Dv); cos/sin: (N, D/2) or None for no rotation;
+    state: (S, z) carried in from earlier tokens, or None. Returns (out, (S, z)).
+    Computed in float32 (float64 stays float64): fp16 sums overflow within a few hundred
+    tokens and a bf16 state drifts."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    phi = (lambda t: F.elu(t) + 1.0) if feature_map == "elu" else F.relu
+    fq, fk = phi(q), phi(k)
+    rq, rk = (apply_rope(fq, cos, sin), apply_rope(fk, cos, sin)) if cos is not None else (fq, fk)
+    B, H, N, D = q.shape
+    C = min(chunk, N)
+    nc = -(-N // C)
+    pad = nc * C - N  # padded keys and values are zero, so they add nothing to any sum
+
+    def chunks(t):
+        return F.pad(t, (0, 0, 0, pad)).view(B, H, nc, C, t.size(-1))
+
+    fq, fk, rq, rk, v = map(chunks, (fq, fk, rq, rk, v))
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # within each chunk
+    num = (rq @ rk.transpose(-1, -2)).masked_fill(~causal, 0.0) @ v
+    den = (fq @ fk.transpose(-1, -2)).masked_fill(~causal, 0.0).sum(-1)
+    # across chunks: the state each chunk starts from (an exclusive prefix sum over chunks)
+    kv = rk.transpose(-1, -2) @ v                # (B, H, nc, D, Dv)
+    ks = fk.sum(-2)                              # (B, H, nc, D)
+    S = torch.cat((torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]), dim=2)
+    z = torch.cat((torch.zeros_like(ks[:, :, :1]), ks.cumsum(2)[:, :, :-1]), dim=2)
+    if state is not None:
+        S = S + state[0].to(dtype)[:, :, None]
+        z = z + state[1].to(dtype)[:, :, None]
+    num = num + rq @ S
+    den = den + (fq @ z.unsqueeze(-1)).squeeze(-1)
+    out = num / (den.unsqueeze(-1) + eps)
+    out = out.view(B, H, nc * C, -1)[:, :, :N]
+    return out, (S[:, :, -1] + kv[:, :, -1], z[:, :, -1] + ks[:, :, -1])
+
+
+# ----------------------------------------------------------------------------------------
+# 3. The transformer
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        # Decoding state, set only inside generate / a cached forward: rolling (k, v) buffers
+        # for softmax, the recurrent (S, z) for linear attention.
+        self.cache = None
+
+    def forward(self, x, rope, step=None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        cos, sin = rope if rope is not None else (None, None)
+        if self.cfg.attention == "linear":
+            # autocast off: the state and denominator must be summed in float32
+            with torch.autocast(x.device.type, enabled=False):
+                y, state = linear_attention(q, k, v, cos, sin, self.cfg.feature_map,
+                                            self.cfg.linear_chunk, self.cache if step else None)
+                if self.cfg.linear_norm:
+                    y = F.rms_norm(y, (y.size(-1),))
+            if step is not None:
+                self.cache = state
+            y = y.to(v.dtype)
+        else:
+            if rope is not None:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if step is None:
+                y = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=self.cfg.dropout if self.training else 0.0)
+            else:
+                y = self.cached_attention(q, k, v, step)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+    def cached_attention(self, q, k, v, step):
+        """Attend from T new queries to the rolling cache plus the new keys, then store the new
+        keys. Keys go in already rotated at their absolute position and are never touched
+        again; only slots whose key has left the window get overwritten."""
+        buf, slots, mask, write_first = step
+        if self.cache is None:  # preallocated once per generate call, then only written into
+            shape = (q.size(0), self.n_head, buf, self.head_dim)
+            self.cache = (k.new_zeros(shape), v.new_zeros(shape))
+        ck, cv = self.cache
+        if write_first:
+            ck[:, :, slots], cv[:, :, slots] = k, v
+            keys, vals = ck, cv
+        else:
+            # Writing first would evict keys that earlier queries of this chunk still see
+            # (the classic chunked-prefill bug), so attend to old cache + new keys, then write.
+            keys, vals = torch.cat((ck, k), dim=2), torch.cat((cv, v), dim=2)
+            ck[:, :, slots], cv[:, :, slots] = k[:, :, -buf:], v[:, :, -buf:]
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, step=None):
+        x = x + self.attn(self.ln_1(x), rope, step)
+        return x + self.mlp(self.ln_2(x))
+
+
+class RoFormer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_encoding == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        # cos/sin tables: not persistent (never in a checkpoint, so rope_scaling can change at
+        # inference), rebuilt in float32 if model.to(bf16) casts them, grown past block_size.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        if cfg.pos_encoding == "rope":  # built now so a training forward never mutates them
+            self.rope_tables(cfg.block_size, "cpu")
+        self.slot_pos = None  # decoding: absolute position held by each cache slot (-1: empty)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # depth-scaled init of residual projections
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def rope_tables(self, n, device):
+        """cos, sin for positions 0..n-1 (at least), float32."""
+        if self.rope_cos.size(0) < n or self.rope_cos.dtype != torch.float32:
+            c = self.config
+            size = max(n, c.block_size, 2 * self.rope_cos.size(0))  # grow geometrically
+            ang = rope_angles(c.n_embd // c.n_head, size, c.rope_base, c.rope_scaling,
+                              c.rope_factor).to(device)
+            self.rope_cos, self.rope_sin = ang.cos(), ang.sin()
+        return self.rope_cos, self.rope_sin
+
+    def forward(self, idx, targets=None, start_pos=None):
+        """idx (B, T) -> logits (B, T, V), and the mean cross-entropy if targets are given
+        (-1 marks positions to ignore). With start_pos (inside generate), idx holds the tokens
+        at absolute positions start_pos.. and attention runs against the decoding cache."""
+        c = self.config
+        B, T = idx.shape
+        p0 = 0 if start_pos is None else start_pos
+        pos = torch.arange(p0, p0 + T, device=idx.device)
+        x = self.wte(idx)
+        if c.pos_encoding == "learned":
+            if p0 + T > c.block_size:
+                raise ValueError(f"learned positions end at block_size={c.block_size}; cannot "
+                                 f"run position {p0 + T - 1} (use use_cache=False to crop)")
+            x = x + self.wpe(pos)
+        elif c.pos_encoding == "sinusoidal":
+            x = x + sinusoidal_embedding(pos, c.n_embd).to(x.dtype)
+        x = self.drop(x)
+        rope = None
+        if c.pos_encoding == "rope":
+            cos, sin = self.rope_tables(p0 + T, idx.device)
+            rope = (cos[p0:p0 + T], sin[p0:p0 + T])
+        step = None if start_pos is None else self.cache_step(pos)
+        for block in self.blocks:
+            x = block(x, rope, step)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    # --- incremental decoding -----------------------------------------------------------
+
+    def reset_cache(self, total_len, device):
+        """Empty every layer's decoding state. Softmax layers get a rolling buffer of
+        min(total_len, block_size) slots, allocated on first use."""
+        self.slot_pos = torch.full((min(total_len, self.config.block_size),), -1,
+                                   dtype=torch.long, device=device)
+        for block in self.blocks:
+            block.attn.cache = None
+
+    def cache_step(self, pos):
+        """Bookkeeping shared by all layers for one cached forward over positions `pos`:
+        which slots the new keys go to, and the mask (query position x cache slot).
+
+        A query at position m sees the keys at positions m-block_size+1 .. m. Past block_size
+        this is sliding-window attention: exact because RoPE scores depend on distance only,
+        but not the same as cropping the text and recomputing (deeper layers' cached keys
+        were computed from states that saw older tokens)."""
+        if self.config.attention == "linear":
+            return True  # the recurrent state needs no bookkeeping
+        buf, T, p0 = self.slot_pos.numel(), pos.numel(), int(pos[0])
+        # One token never evicts a key its query still needs, and neither does a chunk that
+        # fits in the buffer's free slots; anything else must read the old keys first.
+        write_first = T == 1 or p0 + T <= buf
+        kept = pos[-buf:]
+        slots = kept % buf
+        kpos = self.slot_pos if write_first else torch.cat((self.slot_pos, pos))
+        if write_first:
+            self.slot_pos[slots] = kept
+        else:
+            self.slot_pos = self.slot_pos.index_put((slots,), kept)
+        d = pos[:, None] - kpos[None, :]
+        mask = (kpos[None, :] >= 0) & (d >= 0) & (d < self.config.block_size)
+        return buf, slots, mask, write_first
+
+    @torch.no_grad()
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                        use_cache=True, generator=None):
+        """Yield the next (B, 1) tokens one at a time.
+
+        use_cache=True: prefill the prompt once, then one token per step against the cache
+        (rolling window for softmax, recurrent state for linear attention).
+        use_cache=False: the reference loop; each step reruns the model on the last
+        block_size tokens from scratch."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if top_k is not None and top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None: off), got {top_k}")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
+        if idx.size(1) == 0:
+            raise ValueError("generate needs at least one prompt token")
+        bs = self.config.block_size
+        if use_cache and self.config.pos_encoding == "learned" and idx.size(1) + max_new_tokens > bs:
+            raise ValueError(f"learned positions end at block_size={bs}; generating "
+                             f"{idx.size(1) + max_new_tokens} tokens needs use_cache=False")
+        seq = idx
+        try:
+            if use_cache:
+                self.reset_cache(idx.size(1) + max_new_tokens, idx.device)
+                logits = self(idx, start_pos=0)[0][:, -1]
+            for i in range(max_new_tokens):
+                if not use_cache:
+                    logits = self(seq[:, -bs:])[0][:, -1]
+                nxt = sample_next(logits, temperature, top_k, top_p, generator)
+                yield nxt
+                seq = torch.cat((seq, nxt), dim=1)
+                if use_cache and i + 1 < max_new_tokens:
+                    logits = self(nxt, start_pos=seq.size(1) - 1)[0][:, -1]
+        finally:  # a later call, or a normal forward, never sees this call's cache
+            self.slot_pos = None
+            for block in self.blocks:
+                block.attn.cache = None
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 use_cache=True, generator=None):
+        """Return idx followed by max_new_tokens sampled tokens, (B, T + new)."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p,
+                                        use_cache, generator))
+        return torch.cat([idx] + new, dim=1)
+
+    # --- training helpers ---------------------------------------------------------------
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95),
+                             device_type="cpu"):
+        """AdamW; weight decay on matrices (linears, embeddings) only, not on norms/biases."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
+                                 fused=device_type == "cuda")
+
+    def num_params(self, non_embedding=True):
+        """Parameter count. non_embedding drops the position table (the token table stays: it
+        is also the output head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.wpe is not None:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs (forward + backward = 3x forward) per token at sequence length
+        seq_len: 6 per parameter for the matmuls, plus attention itself."""
+        c = self.config
+        if c.attention == "softmax":  # q.k and att.v over seq_len keys, no causal discount
+            attn = 2 * 2 * seq_len * c.n_embd
+        else:  # causal chunk (C x C) three times over, plus state read and update
+            C, d = min(c.linear_chunk, seq_len), c.n_embd // c.n_head
+            attn = 2 * c.n_embd * (3 * C + 2 * d)
+        return 6 * self.num_params() + 3 * c.n_layer * attn
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """(B, V) logits -> (B, 1) tokens. temperature 0 is greedy; top_k keeps the k likeliest
+    tokens; top_p keeps the smallest set whose probability reaches p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already >= p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
