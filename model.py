@@ -68,11 +68,13 @@ class RoFormerConfig:
 # channels, which the learned projection absorbs, so the maths is the same. Half split needs
 # no interleaving, just two slices. Checkpoints are not interchangeable with the other layout.
 
-def rope_angles(head_dim, n_pos, base=10000.0, scaling="none", factor=1.0, block_size=None):
-    """(n_pos, head_dim/2) angle table m * theta_i, built in float64, returned as float32.
+def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
+    """cos and sin of the angles m * theta_i for integer positions `pos`: two (len(pos),
+    head_dim/2) float32 tables.
 
-    In float32, m * theta is off by ~1e-2 rad at m = 1e5 and by whole radians past 1e7; the
-    product is formed in float64 and only the final angle is rounded.
+    Everything up to and including cos/sin runs in float64, and only the results are
+    rounded: a float32 angle is already off by ~3e-2 rad at m = 1e6 (its spacing there is
+    0.0625), and by whole radians past 1e7.
     Context extension (no retraining needed, both from the follow-up literature):
       linear: positions are divided by `factor` (position interpolation);
       ntk:    the base grows to base * factor^(d/(d-2)), stretching low frequencies most.
@@ -80,10 +82,11 @@ def rope_angles(head_dim, n_pos, base=10000.0, scaling="none", factor=1.0, block
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
     inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    pos = torch.arange(n_pos, dtype=torch.float64)
+    pos = pos.to(torch.float64).cpu()
     if scaling == "linear":
         pos = pos / factor
-    return torch.outer(pos, inv_freq).float()
+    ang = torch.outer(pos, inv_freq)
+    return ang.cos().float(), ang.sin().float()
 
 
 def apply_rope(x, cos, sin):
@@ -278,9 +281,9 @@ class RoFormer(nn.Module):
         if self.rope_cos.size(0) < n or self.rope_cos.dtype != torch.float32:
             c = self.config
             size = max(n, c.block_size, 2 * self.rope_cos.size(0))  # grow geometrically
-            ang = rope_angles(c.n_embd // c.n_head, size, c.rope_base, c.rope_scaling,
-                              c.rope_factor).to(device)
-            self.rope_cos, self.rope_sin = ang.cos(), ang.sin()
+            cos, sin = rope_table(torch.arange(size), c.n_embd // c.n_head, c.rope_base,
+                                  c.rope_scaling, c.rope_factor)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         return self.rope_cos, self.rope_sin
 
     def forward(self, idx, targets=None, start_pos=None):
@@ -310,7 +313,7 @@ class RoFormer(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1),
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-1)
         return logits, loss
 

@@ -1,0 +1,422 @@
+"""model.py against independent references: float64 formulas written out here, explicit
+rotation matrices, the naive O(N^2) eq. 19, and uncached recomputation."""
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import (RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table,  # noqa
+                   sample_next)
+
+POS_ENCODINGS = ["rope", "learned", "sinusoidal", "none"]
+KINDS = [("softmax", "elu"), ("linear", "elu"), ("linear", "relu")]
+
+
+def tiny(**kw):
+    args = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    args.update(kw)
+    torch.manual_seed(0)
+    return RoFormer(RoFormerConfig(**args)).eval()
+
+
+def rotation_matrix(m, d, base=10000.0):
+    """The (d, d) block rotation R_m of the half-split convention, in float64: channel j
+    pairs with j + d/2 and turns by m * base^(-2j/d)."""
+    R = torch.zeros(d, d, dtype=torch.float64)
+    for j in range(d // 2):
+        a = m * base ** (-2 * j / d)
+        c, s = math.cos(a), math.sin(a)
+        R[j, j], R[j, j + d // 2] = c, -s
+        R[j + d // 2, j], R[j + d // 2, j + d // 2] = s, c
+    return R
+
+
+def reference_forward(model, idx, window=None):
+    """The whole model written out naively in float64: explicit rotation matrices, explicit
+    masks (causal, and banded to `window` positions if given), eq. 19 as a double sum."""
+    c = model.config
+    W = {k: v.double() for k, v in model.state_dict().items()}
+    B, T = idx.shape
+    H, D = c.n_head, c.n_embd // c.n_head
+    ln = lambda x, p: F.layer_norm(x, (c.n_embd,), W[p + ".weight"], W.get(p + ".bias"))  # noqa
+    lin = lambda x, p: x @ W[p + ".weight"].T + (W[p + ".bias"] if p + ".bias" in W else 0)  # noqa
+    x = W["wte.weight"][idx]
+    if c.pos_encoding == "learned":
+        x = x + W["wpe.weight"][:T]
+    if c.pos_encoding == "sinusoidal":
+        half = c.n_embd // 2
+        pe = torch.tensor([[math.sin(m * 10000 ** (-2 * i / c.n_embd)) for i in range(half)] +
+                           [math.cos(m * 10000 ** (-2 * i / c.n_embd)) for i in range(half)]
+                           for m in range(T)], dtype=torch.float64)
+        x = x + pe
+    Rs = [rotation_matrix(m, D, c.rope_base) for m in range(T)]
+    rot = lambda t: torch.stack([t[:, :, m] @ Rs[m].T for m in range(T)], dim=2)  # noqa
+    mpos = torch.arange(T)
+    allowed = mpos[:, None] >= mpos[None, :]
+    if window is not None:
+        allowed &= mpos[:, None] - mpos[None, :] < window
+    for i in range(c.n_layer):
+        p = f"blocks.{i}."
+        qkv = lin(ln(x, p + "ln_1"), p + "attn.c_attn").view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv
+        if c.attention == "softmax":
+            if c.pos_encoding == "rope":
+                q, k = rot(q), rot(k)
+            att = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+            y = att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+        else:
+            y = naive_eq19(q, k, v, c.feature_map, c.pos_encoding == "rope", c.rope_base)
+        x = x + lin(y.transpose(1, 2).reshape(B, T, c.n_embd), p + "attn.c_proj")
+        h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
+        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+        x = x + lin(h, p + "mlp.c_proj")
+    return ln(x, "ln_f") @ W["wte.weight"].T
+
+
+def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6):
+    """RoFormer eq. 19, causal, one position at a time, float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    phi = (lambda t: F.elu(t) + 1) if feature_map == "elu" else F.relu
+    fq, fk = phi(q), phi(k)
+    T, D = q.size(2), q.size(3)
+    Rs = [rotation_matrix(m, D, base) if rope else torch.eye(D, dtype=torch.float64)
+          for m in range(T)]
+    rq = torch.stack([fq[:, :, m] @ Rs[m].T for m in range(T)], 2)
+    rk = torch.stack([fk[:, :, m] @ Rs[m].T for m in range(T)], 2)
+    out = torch.zeros(*q.shape[:3], v.size(-1), dtype=torch.float64)
+    for m in range(T):
+        w = (rq[:, :, m:m + 1] * rk[:, :, :m + 1]).sum(-1)          # (B, H, m+1)
+        den = (fq[:, :, m:m + 1] * fk[:, :, :m + 1]).sum(-1).sum(-1)  # (B, H)
+        out[:, :, m] = (w[..., None] * v[:, :, :m + 1]).sum(2) / (den[..., None] + eps)
+    return out
+
+
+def cached_logits(model, idx, split):
+    """Prefill idx[:, :split], then feed the rest one token at a time; the logits of every
+    position, as generate() sees them."""
+    model.reset_cache(idx.size(1), idx.device)
+    out = [model(idx[:, :split], start_pos=0)[0]]
+    for t in range(split, idx.size(1)):
+        out.append(model(idx[:, t:t + 1], start_pos=t)[0])
+    return torch.cat(out, dim=1)
+
+
+# --- RoPE ---------------------------------------------------------------------------------
+
+def test_rope_table_matches_float64_at_large_positions():
+    pos = torch.tensor([0, 1, 4095, 10 ** 5, 123457, 10 ** 6, 10 ** 7 + 3])
+    d = 64
+    cos, sin = rope_table(pos, d)
+    assert cos.dtype == torch.float32
+    for r, m in enumerate(pos.tolist()):
+        for i in range(d // 2):
+            a = m * 10000.0 ** (-2 * i / d)
+            assert abs(cos[r, i].item() - math.cos(a)) < 1e-6
+            assert abs(sin[r, i].item() - math.sin(a)) < 1e-6
+
+
+def test_rope_preserves_norm_and_scores_depend_on_offset_only():
+    torch.manual_seed(0)
+    d = 64
+    q, k = torch.randn(d), torch.randn(d)
+    rot = lambda x, m: apply_rope(x[None], *rope_table(torch.tensor([m]), d))[0]  # noqa
+    for m in [0, 7, 1000, 123456, 10 ** 6]:
+        assert torch.allclose(rot(q, m).norm(), q.norm(), rtol=1e-5)
+    # <R_m q, R_n k> = <R_(m-n) q, k> for m >= n, offsets up to 10^6
+    for m, n in [(5, 2), (1000, 0), (10 ** 5 + 17, 10 ** 5), (10 ** 6, 10 ** 6 - 1234),
+                 (10 ** 6, 3), (10 ** 6, 10 ** 6)]:
+        lhs = rot(q, m) @ rot(k, n)
+        rhs = rot(q, m - n) @ k
+        assert abs(lhs - rhs) / rhs.abs().clamp_min(1e-3) < 1e-4, (m, n)
+
+
+def test_rope_matches_explicit_rotation_matrix():
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    pos = torch.tensor([0, 3, 77, 5000, 65536])
+    got = apply_rope(x, *rope_table(pos, 8))
+    want = torch.stack([rotation_matrix(m, 8) @ x[i] for i, m in enumerate(pos.tolist())])
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_rope_tables_stay_float32_and_out_of_state_dict():
+    m = tiny()
+    assert "rope_cos" not in m.state_dict() and "rope_sin" not in m.state_dict()
+    m = m.to(torch.bfloat16)  # casts every float buffer, the tables included
+    idx = torch.randint(0, 61, (1, 16))
+    m(idx)
+    assert m.rope_cos.dtype == torch.float32
+    cos, _ = rope_table(torch.arange(16), 8)
+    assert torch.equal(m.rope_cos[:16], cos)
+
+
+def test_rope_scaling_variants():
+    d, f = 16, 4.0
+    pos = torch.tensor([0, 10, 1000])
+    lin_cos, _ = rope_table(pos, d, scaling="linear", factor=f)
+    ref_cos, _ = rope_table(torch.tensor([0]), d)
+    # position interpolation: position m under factor f is position m/f unscaled
+    assert torch.allclose(lin_cos[1, :], torch.cos(torch.tensor(
+        [10 / f * 10000.0 ** (-2 * i / d) for i in range(d // 2)])), atol=1e-6)
+    ntk_cos, _ = rope_table(pos, d, scaling="ntk", factor=f)
+    base = 10000.0 * f ** (d / (d - 2))
+    assert abs(ntk_cos[2, -1].item() - math.cos(1000 * base ** (-(d - 2) / d))) < 1e-6
+    assert abs(ntk_cos[2, 0].item() - math.cos(1000.0)) < 1e-6  # highest frequency unchanged
+    assert torch.equal(ref_cos[0], lin_cos[0])
+
+
+# --- the whole model against the naive float64 forward ----------------------------------
+
+@pytest.mark.parametrize("attention,fmap", KINDS)
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
+def test_forward_matches_reference(attention, fmap, pos_encoding):
+    m = tiny(attention=attention, feature_map=fmap, pos_encoding=pos_encoding, linear_chunk=5)
+    idx = torch.randint(0, 61, (2, 16))
+    got = m(idx)[0].double()
+    assert torch.allclose(got, reference_forward(m, idx), atol=1e-4)
+
+
+@pytest.mark.parametrize("attention,fmap", KINDS)
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
+def test_causality(attention, fmap, pos_encoding):
+    m = tiny(attention=attention, feature_map=fmap, pos_encoding=pos_encoding, linear_chunk=4)
+    idx = torch.randint(0, 61, (1, 16))
+    base = m(idx)[0]
+    for t in [0, 5, 11, 15]:
+        changed = idx.clone()
+        changed[0, t] = (changed[0, t] + 1) % 61
+        out = m(changed)[0]
+        assert torch.equal(out[:, :t], base[:, :t]), t
+        assert not torch.allclose(out[:, t], base[:, t])
+
+
+# --- linear attention -----------------------------------------------------------------
+
+@pytest.mark.parametrize("fmap", ["elu", "relu"])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 16, 64])
+def test_linear_chunked_equals_naive_eq19(fmap, chunk):
+    torch.manual_seed(1)
+    B, H, N, D = 2, 3, 37, 8
+    q, k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, H, N, 6)
+    cos, sin = rope_table(torch.arange(N), D)
+    got, _ = linear_attention(q, k, v, cos, sin, fmap, chunk)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), naive_eq19(q, k, v, fmap), atol=1e-5)
+
+
+def test_linear_recurrent_decoding_equals_chunked():
+    torch.manual_seed(2)
+    B, H, N, D = 2, 2, 29, 8
+    q, k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    cos, sin = rope_table(torch.arange(N), D)
+    full, (S, z) = linear_attention(q, k, v, cos, sin, chunk=8)
+    state, outs = None, []
+    # a 5-token prefill, then one token at a time
+    for a, b in [(0, 5)] + [(t, t + 1) for t in range(5, N)]:
+        o, state = linear_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], cos[a:b], sin[a:b],
+                                    chunk=8, state=state)
+        outs.append(o)
+    assert torch.allclose(torch.cat(outs, 2), full, atol=1e-5)
+    assert torch.allclose(state[0], S, atol=1e-4) and torch.allclose(state[1], z, atol=1e-4)
+    assert state[0].shape == (B, H, D, D)  # constant size, whatever N was
+
+
+def test_linear_gradcheck():
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    cos, sin = rope_table(torch.arange(6), 4)
+    fn = lambda q, k, v: linear_attention(q, k, v, cos.double(), sin.double(), chunk=4)[0]  # noqa
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_linear_state_stays_float32_under_bf16_autocast():
+    m = tiny(attention="linear")
+    idx = torch.randint(0, 61, (1, 8))
+    m.reset_cache(8, idx.device)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(idx, start_pos=0)
+    S, z = m.blocks[0].attn.cache
+    assert S.dtype == torch.float32 and z.dtype == torch.float32
+
+
+def test_eq19_weights_are_not_convex():
+    """The documented property of eq. 19: rotation only above the line means the weights on
+    the values do not sum to one; their sum shrinks with context length."""
+    torch.manual_seed(0)
+    N, D = 1024, 64
+    q, k = torch.randn(1, 1, N, D), torch.randn(1, 1, N, D)
+    v = torch.ones(1, 1, N, 1)  # output = sum of the weights
+    out, _ = linear_attention(q, k, v, *rope_table(torch.arange(N), D))
+    assert abs(out[0, 0, 0, 0] - 1.0) < 1e-4
+    assert out[0, 0, -64:, 0].mean() < 0.6
+
+
+# --- decoding -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("attention,fmap", KINDS)
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS)
+def test_cached_logits_equal_uncached_inside_block(attention, fmap, pos_encoding):
+    m = tiny(attention=attention, feature_map=fmap, pos_encoding=pos_encoding, linear_chunk=4)
+    idx = torch.randint(0, 61, (2, 16))
+    got = cached_logits(m, idx, split=5)
+    want = torch.stack([m(idx[:, :t + 1])[0][:, -1] for t in range(16)], dim=1)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal", "none"])
+def test_rolling_cache_is_sliding_window_attention(pos_encoding):
+    """3x past block_size with 2 layers: the cached logits equal a full forward over the whole
+    sequence with a banded causal mask of width block_size (and not crop-and-recompute)."""
+    m = tiny(pos_encoding=pos_encoding, block_size=8)
+    idx = torch.randint(0, 61, (1, 24))
+    got = cached_logits(m, idx, split=3)
+    want = reference_forward(m, idx, window=8)
+    assert torch.allclose(got.double(), want, atol=1e-4)
+    # one chunked prefill of the whole sequence (wider than the buffer) is the same thing
+    m.reset_cache(24, idx.device)
+    assert torch.allclose(m(idx, start_pos=0)[0].double(), want, atol=1e-4)
+    crop = m(idx[:, -8:])[0][:, -1]  # crop and recompute differs for n_layer > 1
+    assert not torch.allclose(crop, got[:, -1], atol=1e-3)
+
+
+def test_rope_forward_past_block_size_grows_table():
+    m = tiny(block_size=8)
+    idx = torch.randint(0, 61, (1, 20))
+    assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-4)
+    assert m.rope_cos.size(0) >= 20
+
+
+def test_cache_slots_are_never_rewritten():
+    m = tiny(block_size=16)
+    idx = torch.randint(0, 61, (1, 16))
+    m.reset_cache(16, idx.device)
+    m(idx[:, :4], start_pos=0)
+    for t in range(4, 16):
+        before = [tuple(c.clone() for c in b.attn.cache) for b in m.blocks]
+        m(idx[:, t:t + 1], start_pos=t)
+        for b, (k0, v0) in zip(m.blocks, before):
+            k1, v1 = b.attn.cache
+            assert torch.equal(k1[:, :, :t], k0[:, :, :t]) and torch.equal(v1[:, :, :t], v0[:, :, :t])
+            assert not torch.equal(k1[:, :, t], k0[:, :, t])  # the new key did land at slot t
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+@pytest.mark.parametrize("chunks", [[3, 4, 1, 6], [5, 9, 10]])
+def test_chunked_prefill_into_nonempty_cache_equals_token_by_token(attention, chunks):
+    """[5, 9, 10] with block_size 8 forces chunks that wrap the rolling buffer."""
+    m = tiny(attention=attention, block_size=8 if chunks[0] == 5 else 16, linear_chunk=4)
+    T = sum(chunks)
+    idx = torch.randint(0, 61, (2, T))
+    one_by_one = cached_logits(m, idx, split=1)
+    m.reset_cache(T, idx.device)
+    out, p = [], 0
+    for n in chunks:
+        out.append(m(idx[:, p:p + n], start_pos=p)[0])
+        p += n
+    assert torch.allclose(torch.cat(out, 1), one_by_one, atol=1e-5)
+
+
+def test_generate_cached_equals_uncached_and_fresh_calls_are_independent():
+    m = tiny(block_size=32)
+    prompt = torch.randint(0, 61, (2, 5))
+    for kw in [dict(temperature=0), dict(temperature=1.0, top_k=10), dict(top_p=0.9)]:
+        a = m.generate(prompt, 20, use_cache=True, generator=torch.Generator().manual_seed(1), **kw)
+        b = m.generate(prompt, 20, use_cache=False, generator=torch.Generator().manual_seed(1), **kw)
+        assert torch.equal(a, b), kw
+    first = m.generate(prompt, 20, temperature=0)
+    m.generate(torch.randint(0, 61, (3, 9)), 11, temperature=0)  # different shapes and content
+    assert torch.equal(m.generate(prompt, 20, temperature=0), first)
+    assert m.slot_pos is None and all(b.attn.cache is None for b in m.blocks)
+
+
+def test_generate_past_block_size_any_length():
+    for attention in ["softmax", "linear"]:
+        m = tiny(attention=attention, block_size=8)
+        out = m.generate(torch.randint(0, 61, (1, 3)), 40, temperature=0)
+        assert out.shape == (1, 43)
+    with pytest.raises(ValueError, match="learned"):
+        tiny(pos_encoding="learned", block_size=8).generate(torch.zeros(1, 3, dtype=torch.long), 20)
+    # the crop-and-recompute loop serves learned positions at any length
+    assert tiny(pos_encoding="learned", block_size=8).generate(
+        torch.zeros(1, 3, dtype=torch.long), 20, use_cache=False).shape == (1, 23)
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+def test_top_k_and_top_p_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 20)
+    probs = logits.softmax(-1)[0]
+    g = torch.Generator().manual_seed(0)
+    draws = lambda **kw: {sample_next(logits, generator=g, **kw).item() for _ in range(3000)}  # noqa
+    assert draws(top_k=5) == set(logits[0].topk(5).indices.tolist())
+    # nucleus by hand: the smallest prefix of the sorted tokens whose mass reaches p
+    order = probs.argsort(descending=True).tolist()
+    nucleus, mass = set(), 0.0
+    for t in order:
+        nucleus.add(t)
+        mass += probs[t].item()
+        if mass >= 0.7:
+            break
+    assert draws(top_p=0.7) == nucleus
+    assert draws(top_k=0, top_p=1.0) == set(range(20))
+    assert sample_next(logits, temperature=0).item() == logits.argmax().item()
+
+
+def test_sampling_argument_validation():
+    m = tiny()
+    idx = torch.zeros(1, 2, dtype=torch.long)
+    for kw, word in [(dict(temperature=-0.1), "temperature"), (dict(top_k=-1), "top_k"),
+                     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")]:
+        with pytest.raises(ValueError, match=word):
+            m.generate(idx, 3, **kw)
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(n_embd=30, n_head=4), "divisible"),
+    (dict(n_embd=12, n_head=4), "even"),           # head dim 3
+    (dict(attention="flash"), "attention"),
+    (dict(feature_map="softplus"), "feature_map"),
+    (dict(pos_encoding="alibi"), "pos_encoding"),
+    (dict(rope_scaling="yarn"), "rope_scaling"),
+    (dict(block_size=0), "block_size"),
+    (dict(dropout=1.0), "dropout"),
+])
+def test_config_validation(kw, word):
+    args = dict(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    args.update(kw)
+    with pytest.raises(ValueError, match=word):
+        RoFormerConfig(**args)
+    if kw == dict(n_embd=12, n_head=4):  # an odd head dim is fine without RoPE
+        RoFormerConfig(**{**args, "pos_encoding": "learned"})
+
+
+# --- training -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_overfits_a_fixed_batch(attention):
+    torch.manual_seed(0)
+    m = RoFormer(RoFormerConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                                attention=attention))
+    idx = torch.randint(0, 32, (4, 33))
+    opt = m.configure_optimizers(0.0, 3e-3)
+    first = None
+    for _ in range(150):
+        _, loss = m(idx[:, :-1], idx[:, 1:])
+        first = first or loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert first > 3.0 and loss.item() < 0.5 * first
+
+
+def test_params_and_flops():
+    m = tiny(pos_encoding="learned")
+    n = sum(p.numel() for p in m.parameters())
+    assert m.num_params(non_embedding=False) == n  # tied head counted once
+    assert m.num_params() == n - 16 * 16
+    assert m.flops_per_token(16) > 6 * m.num_params()
