@@ -128,10 +128,11 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     Computed in float32 (float64 stays float64): fp16 sums overflow within a few hundred
     tokens and a bf16 state drifts."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     phi = (lambda t: F.elu(t) + 1.0) if feature_map == "elu" else F.relu
-    fq, fk = phi(q), phi(k)
-    rq, rk = (apply_rope(fq, cos, sin), apply_rope(fk, cos, sin)) if cos is not None else (fq, fk)
+    fqk = phi(torch.stack((q, k)).to(dtype))  # q and k side by side: one op each, not two
+    fq, fk = fqk
+    rq, rk = apply_rope(fqk, cos, sin) if cos is not None else fqk
+    v = v.to(dtype)
     B, H, N, D = q.shape
     C = min(chunk, N)
     nc = -(-N // C)
@@ -177,7 +178,8 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, step=None):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv
         cos, sin = rope if rope is not None else (None, None)
         if self.cfg.attention == "linear":
             # autocast off: the state and denominator must be summed in float32
@@ -191,7 +193,7 @@ class Attention(nn.Module):
             y = y.to(v.dtype)
         else:
             if rope is not None:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q, k = apply_rope(qkv[:2], cos, sin)  # q and k in one go; v is not rotated
             if step is None:
                 y = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, dropout_p=self.cfg.dropout if self.training else 0.0)
