@@ -252,7 +252,7 @@ def test_eq19_weights_are_not_convex():
     v = torch.ones(1, 1, N, 1)  # output = sum of the weights
     out, _ = linear_attention(q, k, v, *rope_table(torch.arange(N), D))
     assert abs(out[0, 0, 0, 0] - 1.0) < 1e-4
-    assert out[0, 0, -64:, 0].mean() < 0.6
+    assert out[0, 0, -64:, 0].mean() < 0.45
 
 
 # --- decoding -----------------------------------------------------------------------
