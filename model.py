@@ -100,9 +100,9 @@ def apply_rope(x, cos, sin):
 
 def sinusoidal_embedding(pos, dim):
     """The fixed absolute encoding of 'Attention Is All You Need', for the baseline."""
-    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=pos.device) / dim)
-    ang = pos.double()[:, None] * inv_freq
-    return torch.cat((ang.sin(), ang.cos()), dim=-1).float()
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ang = pos.cpu().double()[:, None] * inv_freq  # on the CPU: some devices lack float64
+    return torch.cat((ang.sin(), ang.cos()), dim=-1).float().to(pos.device)
 
 
 # ----------------------------------------------------------------------------------------
