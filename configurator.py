@@ -1,0 +1,82 @@
+"""
+Configuration shared by train.py, sample.py and the bench scripts, in the style nanoGPT users
+know: a script's module-level defaults, then config files (plain Python that assigns
+variables), then --key=value overrides, applied in that order.
+
+    python train.py config/small.py --batch_size=32 --compile=False
+
+Every mistake stops with one line that names the key: an unknown key (with the nearest valid
+one), a value of the wrong type, a missing config file.
+"""
+import ast
+import difflib
+import os
+
+SCALARS = (bool, int, float, str, type(None))
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _unknown(key, known):
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key, value, default):
+    """Check `value` against the type of the default; ints are accepted where floats are."""
+    if default is None or value is None:
+        return value
+    want = type(default)
+    if want is float and type(value) is int:
+        return float(value)
+    if type(value) is not want:
+        raise ConfigError(f"config key '{key}' must be {want.__name__} (default {default!r}), "
+                          f"got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _parse(key, text, default):
+    """The text after '=' as a Python literal; strings may be given bare (--device=cpu)."""
+    if isinstance(default, bool) and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if default is None or isinstance(default, str):
+            return text
+        raise ConfigError(f"config key '{key}': cannot read {text!r} as a "
+                          f"{type(default).__name__}") from None
+
+
+def configure(defaults, argv):
+    """Return a copy of `defaults` (name -> scalar) updated by the config files and
+    --key=value arguments in `argv`. Raises ConfigError with a one-line message."""
+    config = dict(defaults)
+    known = sorted(defaults)
+    for arg in argv:
+        if not arg.startswith("--"):  # a config file
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file not found: {arg}")
+            scope = {}
+            with open(arg) as f:
+                exec(compile(f.read(), arg, "exec"), scope)
+            for key, value in scope.items():
+                if key.startswith("_") or not isinstance(value, SCALARS):
+                    continue  # __builtins__, imported modules, helper functions
+                if key not in defaults:
+                    raise ConfigError(f"{arg}: {_unknown(key, known)}")
+                config[key] = _coerce(key, value, defaults[key])
+            continue
+        key, eq, text = arg[2:].partition("=")
+        if key not in defaults:
+            raise _unknown(key, known)
+        if not eq:  # a bare --flag sets a boolean
+            if not isinstance(defaults[key], bool):
+                raise ConfigError(f"config key '{key}' needs a value: --{key}=...")
+            config[key] = True
+            continue
+        config[key] = _coerce(key, _parse(key, text, defaults[key]), defaults[key])
+    return config
