@@ -180,8 +180,8 @@ def train_tokenizer(lines, vocab_size, model_type, threads):
                                        num_threads=threads, minloglevel=2, **settings)
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-        m = re.search(r"Vocabulary size is too large.*?(\d+)", msg)
-        if m or "Vocabulary size" in msg:
+        m = re.search(r"value <= (\d+)", msg)
+        if "Vocabulary size" in msg:
             limit = f" (at most {m.group(1)} here)" if m else ""
             raise PrepareError(f"vocab_size {settings['vocab_size']} is too large for this "
                                f"corpus{limit}; pass a smaller --vocab_size")
