@@ -180,6 +180,11 @@ def train_tokenizer(lines, vocab_size, model_type, threads):
                                        num_threads=threads, minloglevel=2, **settings)
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if m:
+            raise PrepareError(f"vocab_size {m.group(1)} is too small for this corpus: its "
+                               f"characters and the special and byte pieces need {m.group(2)}; "
+                               f"pass a larger --vocab_size")
         m = re.search(r"value <= (\d+)", msg)
         if "Vocabulary size" in msg:
             limit = f" (at most {m.group(1)} here)" if m else ""
@@ -232,9 +237,9 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
         raise PrepareError(f"model_type must be bpe, unigram or char, not {model_type!r}")
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
-    if model_type != "char" and vocab_size < 300:
+    if vocab_size and vocab_size < 261:
         raise PrepareError(f"vocab_size {vocab_size} is too small: byte fallback alone takes "
-                           f"259 ids (256 bytes, unk, bos, eos)")
+                           f"260 ids (256 bytes, unk, bos, eos, newline)")
     if min_val_tokens < 1:
         raise PrepareError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
 
