@@ -211,6 +211,10 @@ def make_out_dir(out_dir):
     created = not os.path.isdir(out_dir) and not os.path.exists(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
+        # Temp files of an earlier run that was killed outright (SIGKILL) are of no use.
+        for fn in os.listdir(out_dir):
+            if any(fn.startswith(f".{out}.tmp.") for out in OUTPUTS):
+                os.remove(os.path.join(out_dir, fn))
         probe = os.path.join(out_dir, f".write-probe.{os.getpid()}")
         with open(probe, "wb"):
             pass
@@ -245,12 +249,15 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
 
     # Pass 1: sizes and content hash, in corpus order. Empty documents are dropped here.
     h = hashlib.sha256()
-    kept, sizes = [], []
+    kept, sizes, with_marker = [], [], []
     bar = tqdm(docs, desc="reading", unit="doc")
     for doc_name, load in bar:
-        data = load().encode("utf-8")
-        if not data.strip():
+        text = load()
+        if not text.strip():
             continue
+        if "\u2581" in text:
+            with_marker.append(doc_name)
+        data = text.encode("utf-8")
         h.update(doc_name.encode("utf-8") + b"\0" + data + b"\0")
         kept.append((doc_name, load))
         sizes.append(len(data))
@@ -260,6 +267,11 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
     if len(kept) < 2:
         raise PrepareError(f"the corpus has a single document ({kept[0][0]}); a train/val split "
                            f"needs at least two (separate paragraphs by a blank line, or add files)")
+    if with_marker:
+        # sentencepiece writes spaces as U+2581 internally, so the character itself decodes
+        # back as a space: the only input that does not round-trip. Say so instead of hiding it.
+        log(f"warning: {len(with_marker)} documents contain U+2581 (\u2581), which decodes as a "
+            f"space, e.g. {with_marker[0]}")
     log(f"{name}: {len(kept)} documents, {total_bytes / 1e6:.1f} MB"
         + (f" ({len(skipped)} undecodable files skipped)" if skipped else ""))
 

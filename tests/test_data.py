@@ -124,6 +124,19 @@ def test_round_trip_and_byte_fallback(tmp_path, model_type):
     assert sp.decode(ids) == unseen
 
 
+def test_the_one_exception_u2581_decodes_as_space_and_is_reported(prepared, tmp_path):
+    """sentencepiece stores spaces as U+2581, so that character comes back as a space: the
+    prepare step must say so rather than change the text silently."""
+    root, texts, _ = prepared
+    sp = spm.SentencePieceProcessor(model_file=str(root / "out" / "tokenizer.model"))
+    assert sp.decode(sp.encode("a\u2581b")) == "a b"
+    logged = []
+    docs = [(n, (lambda t=t: t)) for n, t in texts.items()] + [("odd", lambda: "x\u2581y " * 50)]
+    common.prepare(str(tmp_path / "o"), "t", docs, "test", vocab_size=400, min_val_tokens=50,
+                   val_fraction=0.2, log=logged.append)
+    assert any("U+2581" in line and "odd" in line for line in logged)
+
+
 def test_code_whitespace_is_not_normalised(prepared):
     root, texts, meta = prepared
     sp = spm.SentencePieceProcessor(model_file=str(root / "out" / "tokenizer.model"))
@@ -183,7 +196,9 @@ def test_rerun_is_identical(prepared, tmp_path):
     assert [sp1.id_to_piece(i) for i in range(sp1.get_piece_size())] == \
            [sp2.id_to_piece(i) for i in range(sp2.get_piece_size())]
     assert meta2 == meta | {"source": meta2["source"], "name": meta2["name"]}
-    # Same folder again: overwritten in place, nothing left over.
+    # Same folder again: overwritten in place, nothing left over, not even the temp file of
+    # an earlier run that was killed outright.
+    (tmp_path / "again" / ".train.bin.tmp.99999").write_bytes(b"partial")
     prepare_folder(root / "mycorpus", tmp_path / "again")
     assert sorted(os.listdir(tmp_path / "again")) == sorted(OUTPUTS + ["tokenizer.vocab"])
 
