@@ -187,7 +187,11 @@ def test_dtype_follows_vocab_size():
 
 def test_rerun_is_identical(prepared, tmp_path):
     root, texts, meta = prepared
-    meta2 = prepare_folder(root / "mycorpus", tmp_path / "again")
+    # In a separate process: sentencepiece seeds its own sampling per process.
+    r = run_script("text", "--input", str(root / "mycorpus"), "--out_dir", str(tmp_path / "again"),
+                   "--vocab_size", "400", "--min_val_tokens", "50", "--val_fraction", "0.2")
+    assert r.returncode == 0, r.stderr
+    meta2 = json.loads((tmp_path / "again" / "meta.json").read_text())
     for fn in ["train.bin", "val.bin", "tokenizer.model"]:
         with open(root / "out" / fn, "rb") as a, open(tmp_path / "again" / fn, "rb") as b:
             assert a.read() == b.read(), fn
