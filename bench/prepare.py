@@ -67,7 +67,8 @@ def main():
               "| encoding MB/s | total s | peak RSS MiB |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         print(f"| {docs_mb.group(1)} | {float(docs_mb.group(2)):.1f} | {tokens.group(1)} "
-              f"| {tokens.group(2)} | {bpt:.2f} | {tok_s:.1f} | {enc:.1f} | {wall:.1f} | {rss:.0f} |")
+              f"| {tokens.group(2)} | {bpt:.2f} | {tok_s:.1f} | {enc:.1f} | {wall:.1f} "
+              f"| {rss:.0f} |")
 
         # Part 2: the same documents, encoded three ways.
         from importlib.util import module_from_spec, spec_from_file_location
@@ -106,8 +107,8 @@ def main():
                     best[name] = min(best.get(name, (t, n)), (t, n))
         rows = [(name, *best[name]) for name, _ in methods]
         assert len({n for _, _, n in rows}) == 1, "all three give the same tokens"
-        print(f"\n# encoding {size / 1e6:.1f} MB ({len(texts)} stdlib files), same tokenizer, best of "
-              f"{a.reps}; load average now: {os.getloadavg()[0]:.1f}")
+        print(f"\n# encoding {size / 1e6:.1f} MB ({len(texts)} stdlib files), same tokenizer, "
+              f"best of {a.reps}; load average now: {os.getloadavg()[0]:.1f}")
         print("| method | s | MB/s | vs 1 thread |")
         print("|---|---:|---:|---:|")
         for name, t, n in rows:

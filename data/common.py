@@ -72,9 +72,10 @@ def read_utf8(path, undecodable):
 
 
 def find_files(paths, extensions=None):
-    """Expand files and folders (recursively, hidden entries left out) into a sorted list of
-    (name, path); the name is the path relative to the folder given, with '/' separators, so
-    the order and the names do not depend on the machine."""
+    """Expand files and folders (recursively; hidden entries and __pycache__ left out) into
+    (name, path) pairs in a fixed order: the paths as given, each folder walked with sorted
+    names. A name is the path relative to the folder given, with '/' separators, so the order
+    and the names do not depend on the machine."""
     found = []
     for given in paths:
         if not os.path.exists(given):
@@ -84,7 +85,7 @@ def find_files(paths, extensions=None):
             continue
         root_name = os.path.basename(os.path.normpath(given))
         for root, dirs, files in os.walk(given):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
             for fn in sorted(files):
                 if fn.startswith(".") or (extensions and not fn.endswith(tuple(extensions))):
                     continue
@@ -265,8 +266,9 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
     if not kept:
         raise PrepareError(f"empty corpus: no text found in {source}")
     if len(kept) < 2:
-        raise PrepareError(f"the corpus has a single document ({kept[0][0]}); a train/val split "
-                           f"needs at least two (separate paragraphs by a blank line, or add files)")
+        raise PrepareError(f"the corpus has a single document ({kept[0][0]}); a train/val "
+                           f"split needs at least two (separate paragraphs by a blank line, "
+                           f"or add files)")
     if with_marker:
         # sentencepiece writes spaces as U+2581 internally, so the character itself decodes
         # back as a space: the only input that does not round-trip. Say so instead of hiding it.

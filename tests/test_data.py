@@ -53,7 +53,8 @@ def make_corpus(folder, n_files=8, seed=0):
                 parts.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".")
             elif kind < 0.8:
                 name = rng.choice(WORDS)
-                parts.append(f"def {name}_{rng.randint(0, 99)}(x, y):\n    if x > {rng.randint(0, 9)}:\n"
+                parts.append(f"def {name}_{rng.randint(0, 99)}(x, y):\n"
+                             f"    if x > {rng.randint(0, 9)}:\n"
                              f"        return {name}(x)  # {rng.choice(WORDS)}\n\treturn  y   \n")
             else:
                 parts.append(f"café naïve — {rng.choice(WORDS)}   {rng.randint(0, 10**6)}\n\n")
@@ -108,9 +109,9 @@ ROUND_TRIP = [
 def test_round_trip_and_byte_fallback(tmp_path, model_type):
     texts = make_corpus(tmp_path / "c")
     docs = [(n, (lambda t=t: t)) for n, t in texts.items()]
+    vocab = {"char": 0, "bpe": 400, "unigram": 320}[model_type]  # 0: one piece per character
     common.prepare(str(tmp_path / "out"), "t", docs, "test", model_type=model_type,
-                   vocab_size={"char": 0, "bpe": 400, "unigram": 320}[model_type], min_val_tokens=50,
-                   val_fraction=0.2, log=lambda *a: None)
+                   vocab_size=vocab, min_val_tokens=50, val_fraction=0.2, log=lambda *a: None)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
     for s in ROUND_TRIP:
         ids = sp.encode(s)
@@ -256,8 +257,8 @@ def test_char_model_is_one_token_per_character(tmp_path):
     rng = random.Random(2)
     speeches = []
     for _ in range(200):
-        speeches.append(f"{rng.choice(['ROMEO', 'JULIET'])}:\n" +
-                        " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + ",")
+        line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+        speeches.append(f"{rng.choice(['ROMEO', 'JULIET'])}:\n{line.capitalize()},")
     (tmp_path / "input.txt").write_text("\n\n".join(speeches), encoding="utf-8")
     out = tmp_path / "sc"
     load_script("shakespeare").main(["--input", str(tmp_path / "input.txt"), "--char",
@@ -326,7 +327,8 @@ def test_error_unwritable_output(tmp_path):
     make_corpus(tmp_path / "c", n_files=3)
     (tmp_path / "afile").write_text("x")
     # A folder below a regular file cannot be created, whoever runs the test (even root).
-    r = run_script("text", "--input", str(tmp_path / "c"), "--out_dir", str(tmp_path / "afile" / "o"),
+    r = run_script("text", "--input", str(tmp_path / "c"),
+                   "--out_dir", str(tmp_path / "afile" / "o"),
                    "--vocab_size", "350", "--min_val_tokens", "20")
     assert_fails(r, "cannot write to output folder")
     assert (tmp_path / "afile").read_text() == "x"
