@@ -306,9 +306,10 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
                     break
                 if len(val_docs) == len(kept) - 1:
                     raise PrepareError(
-                        f"corpus too small: the validation split needs {min_val_tokens} tokens "
-                        f"(min_val_tokens) but only {val_tokens} fit while leaving one training "
-                        f"document; add text or lower min_val_tokens")
+                        f"corpus too small: the validation split needs val_fraction="
+                        f"{val_fraction} of the bytes and min_val_tokens={min_val_tokens} "
+                        f"tokens, but all documents but one give {val_tokens} tokens; add text "
+                        f"or lower min_val_tokens")
                 ids = sp.encode(kept[i][1]())
                 ids.append(EOS_ID)
                 np.asarray(ids, dtype=dtype).tofile(f)
