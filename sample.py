@@ -88,8 +88,12 @@ def load_tokenizer(info, override):
         import sentencepiece as spm
     except ImportError:
         sys.exit("error: sampling this checkpoint needs sentencepiece: pip install sentencepiece")
-    if not isinstance(info, dict) or "sha256" not in info:
-        sys.exit("error: the checkpoint records no tokenizer (ckpt['tokenizer'] is missing)")
+    if not isinstance(info, dict) or not info.get("sha256"):
+        if not override:  # trained from a dataset without tokenizer.model: nothing to check
+            sys.exit("error: the checkpoint records no tokenizer; pass --tokenizer=PATH")
+        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
+              file=sys.stderr)
+        return spm.SentencePieceProcessor(model_file=override)
     repo = os.path.dirname(os.path.abspath(__file__))
     candidates = [override] if override else [
         info.get("path", ""), os.path.join(repo, "data", str(info.get("dataset")), "tokenizer.model")]
