@@ -122,6 +122,27 @@ def reference(out_dir, prompt_ids, n, seed, num_samples=1, **kw):
     return rows
 
 
+def sharpened(src, dst):
+    """Checkpoint src with fresh random weights made sharp (q and k x30, attention output x30,
+    final norm gain x5), saved in folder dst. A checkpoint from a few training steps has
+    nearly uniform attention, a residual stream dominated by the token embedding and flat
+    logits: an off-by-one cache position there changes no drawn token (measured), so a test
+    on it could not fail. Sharp attention that matters, and sharp but varied logits, make
+    positions show in the sampled text."""
+    ckpt = torch.load(os.path.join(src, "ckpt.pt"), weights_only=True)
+    torch.manual_seed(0)
+    ckpt["model"] = RoFormer(RoFormerConfig(**ckpt["model_args"])).state_dict()
+    for k, w in ckpt["model"].items():
+        if k.endswith("attn.c_attn.weight"):
+            w[: 2 * w.size(1)] *= 30.0
+        if k.endswith("attn.c_proj.weight"):
+            w *= 30.0
+        if k == "ln_f.weight":
+            w *= 5.0
+    torch.save(ckpt, os.path.join(dst, "ckpt.pt"))
+    return f"--out_dir={dst}"
+
+
 # --- the stream decoder -----------------------------------------------------------------
 
 def test_text_stream_equals_full_decode_on_random_ids(ws):
@@ -166,10 +187,10 @@ def test_fixed_seed_repeats_and_seeds_differ(ws, capsys, attention):
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 @pytest.mark.parametrize("temperature", ["0", "1.0"])
-def test_cached_equals_uncached_inside_block(ws, capsys, attention, temperature):
+def test_cached_equals_uncached_inside_block(ws, capsys, tmp_path, attention, temperature):
     """Greedy can hide a cache position bug; sampled text with the same seed shows it."""
     prompt_len = len(ws["sp"].encode("def f1(x):"))
-    a = ("--out_dir=" + ws[attention], "--start=def f1(x):", f"--temperature={temperature}",
+    a = (sharpened(ws[attention], tmp_path), "--start=def f1(x):", f"--temperature={temperature}",
          "--top_k=0", f"--max_new_tokens={BLOCK - prompt_len}", "--stop_at_eos=False", "--seed=3")
     cached = run(capsys, *a)
     uncached = run(capsys, *a, "--use_cache=False")
@@ -218,11 +239,7 @@ def test_rope_scaling_override_reaches_the_model(ws, capsys, tmp_path):
     """Sharpened attention (q/k weights x8) so positions visibly steer sampling; then the
     text under --rope_scaling=ntk is the reference model's with that config, not the plain
     one's."""
-    ckpt = torch.load(os.path.join(ws["softmax"], "ckpt.pt"), weights_only=True)
-    for k, w in ckpt["model"].items():
-        if k.endswith("attn.c_attn.weight"):
-            w[: 2 * w.size(1)] *= 8.0
-    torch.save(ckpt, tmp_path / "ckpt.pt")
+    sharpened(ws["softmax"], tmp_path)
     sp, n = ws["sp"], 2 * BLOCK
     a = (f"--out_dir={tmp_path}", "--start=def f", f"--max_new_tokens={n}",
          "--temperature=1.0", "--top_k=0", "--stop_at_eos=False", "--seed=2")
