@@ -90,7 +90,10 @@ def main():
     ap.add_argument("--positions", default="128,1024,4096")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     nthreads = torch.get_num_threads()
     print(f"# decode bench: n_layer={a.n_layer} n_head={a.n_head} n_embd={a.n_embd} "
           f"block_size={a.block_size} vocab={a.vocab_size}; torch {torch.__version__}, "
@@ -131,11 +134,12 @@ def main():
     print(f"| float32, {nthreads} threads | {base:.2f} | 1.00x |", flush=True)
     bf, _ = step_latency(make(a, "softmax", torch.bfloat16), pos, a.steps)
     print(f"| bfloat16 weights, {nthreads} threads | {bf:.2f} | {base / bf:.2f}x |", flush=True)
-    if nthreads > 1:
-        torch.set_num_threads(1)
+    other = 1 if nthreads > 1 else os.cpu_count()
+    if other > 1 or nthreads > 1:
+        torch.set_num_threads(other)
         one, _ = step_latency(model, pos, a.steps)
         torch.set_num_threads(nthreads)
-        print(f"| float32, 1 thread | {one:.2f} | {base / one:.2f}x |", flush=True)
+        print(f"| float32, {other} thread(s) | {one:.2f} | {base / one:.2f}x |", flush=True)
     if a.compile:
         cm = torch.compile(model, dynamic=True)
         t0 = time.perf_counter()
