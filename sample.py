@@ -1,0 +1,256 @@
+"""
+Sample text from a trained checkpoint, streamed to stdout as it is generated.
+
+    python sample.py --out_dir=out-small
+    python sample.py --out_dir=out-small --start="def main(" --num_samples=4 --max_new_tokens=200
+    python sample.py --out_dir=out-small --start=FILE:prompt.txt --temperature=0
+    python sample.py --out_dir=out-small --rope_scaling=ntk --rope_factor=4 --max_new_tokens=2000
+
+Text goes to stdout, everything else (checkpoint summary, speed) to stderr, so
+`python sample.py ... > out.txt` keeps only the text. Same override style as train.py:
+module-level defaults below, then config files, then --key=value.
+"""
+import hashlib
+import os
+import sys
+import time
+
+import torch
+
+from configurator import ConfigError, configure
+from model import RoFormer, RoFormerConfig
+
+# -----------------------------------------------------------------------------------------
+out_dir = "out"
+start = "\n"            # the prompt; "FILE:path" reads it from a file; "" starts a fresh document
+num_samples = 1         # generated together as one batch; the first streams live
+max_new_tokens = 500
+temperature = 0.8       # 0 is greedy
+top_k = 200             # 0: off
+top_p = 1.0             # 1.0: off
+seed = 1337
+device = "auto"         # auto: cuda if available, else cpu
+dtype = "auto"          # auto: bfloat16 on a CUDA GPU that supports it (else float16), float32 on CPU
+use_cache = True        # False: the reference loop that recomputes the last block_size tokens per step
+stop_at_eos = True      # a sample ends when the model closes its document
+rope_scaling = ""       # "" keeps the checkpoint's; "none" | "linear" | "ntk" override it (RoPE only)
+rope_factor = 0.0       # 0 keeps the checkpoint's; else how many times block_size to cover
+tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
+# -----------------------------------------------------------------------------------------
+
+
+class TextStream:
+    """Token ids in, printable text out, so that the concatenation of everything returned
+    equals sp.decode(all ids).
+
+    Decoding token by token is wrong twice over: a character outside the vocabulary arrives
+    as several byte tokens (each alone decodes to U+FFFD), and sentencepiece drops the space
+    of a word-initial piece at the start of a decode. So we decode a short window that starts
+    one emission back: the window's first piece is already printed, and only the text past it
+    is new. If the window ends in U+FFFD (a character still incomplete), we wait for more."""
+
+    def __init__(self, sp):
+        self.sp, self.ids, self.text = sp, [], ""
+        self.start = self.read = 0  # window start; end of the ids already printed
+
+    def push(self, ids):
+        self.ids.extend(ids)
+        old = self.sp.decode(self.ids[self.start:self.read])
+        new = self.sp.decode(self.ids[self.start:])
+        if len(new) <= len(old) or new.endswith("\ufffd") or not new.startswith(old):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        self.text += new[len(old):]
+        return new[len(old):]
+
+    def flush(self):
+        """What is still held back (invalid bytes that will never complete)."""
+        full = self.sp.decode(self.ids)
+        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += rest
+        return rest
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_tokenizer(info, override):
+    """The checkpoint's sentencepiece model: the explicit --tokenizer path, else the recorded
+    absolute path, else data/<dataset>/tokenizer.model next to this script. The first file
+    whose sha256 matches the checkpoint wins; a different tokenizer would silently turn the
+    model's ids into the wrong text."""
+    try:  # imported here: only checkpoints with a tokenizer need it
+        import sentencepiece as spm
+    except ImportError:
+        sys.exit("error: sampling this checkpoint needs sentencepiece: pip install sentencepiece")
+    if not isinstance(info, dict) or not info.get("sha256"):
+        if not override:  # trained from a dataset without tokenizer.model: nothing to check
+            sys.exit("error: the checkpoint records no tokenizer; pass --tokenizer=PATH")
+        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
+              file=sys.stderr)
+        return spm.SentencePieceProcessor(model_file=override)
+    repo = os.path.dirname(os.path.abspath(__file__))
+    candidates = [override] if override else [
+        info.get("path", ""), os.path.join(repo, "data", str(info.get("dataset")), "tokenizer.model")]
+    mismatched = []
+    for path in candidates:
+        if path and os.path.isfile(path):
+            if sha256(path) == info["sha256"]:
+                return spm.SentencePieceProcessor(model_file=path)
+            mismatched.append(path)
+    if mismatched:
+        sys.exit(f"error: tokenizer {mismatched[0]} does not match the checkpoint (sha256 differs "
+                 f"from {info['sha256'][:12]}...); it was retrained since, so rebuild that dataset "
+                 f"or pass the original with --tokenizer=PATH")
+    sys.exit(f"error: tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
+             f"dataset '{info.get('dataset')}' again or pass --tokenizer=PATH")
+
+
+def main(argv):
+    names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
+             "seed", "device", "dtype", "use_cache", "stop_at_eos", "rope_scaling", "rope_factor",
+             "tokenizer")
+    try:
+        cfg = configure({k: globals()[k] for k in names}, argv)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    # argument checks first: a typo should not wait for a checkpoint to load
+    if cfg["temperature"] < 0:
+        sys.exit(f"error: temperature must be >= 0 (0 is greedy), got {cfg['temperature']}")
+    if cfg["top_k"] < 0:
+        sys.exit(f"error: top_k must be >= 0 (0 turns it off), got {cfg['top_k']}")
+    if not 0.0 < cfg["top_p"] <= 1.0:
+        sys.exit(f"error: top_p must be in (0, 1] (1 turns it off), got {cfg['top_p']}")
+    if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
+        sys.exit("error: num_samples and max_new_tokens must be >= 1")
+    if cfg["device"] == "auto":
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(cfg["device"])
+    if cfg["dtype"] == "auto":
+        # bf16 weights on CPU: measured in bench/decode.py, see the README
+        cfg["dtype"] = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") \
+            if dev.type == "cuda" else "float32"
+    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
+        sys.exit(f"error: dtype must be auto, float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    start_text = cfg["start"]
+    if start_text.startswith("FILE:"):
+        try:
+            with open(start_text[5:], encoding="utf-8") as f:
+                start_text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            sys.exit(f"error: cannot read the prompt file {start_text[5:]}: {e}")
+
+    # --- checkpoint and model ------------------------------------------------------------
+    if not os.path.isdir(cfg["out_dir"]):
+        sys.exit(f"error: out_dir {cfg['out_dir']!r} does not exist (train first, or pass "
+                 f"--out_dir=DIR)")
+    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
+    if not os.path.isfile(ckpt_path):
+        sys.exit(f"error: no checkpoint at {ckpt_path}")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        model_args = dict(ckpt["model_args"])
+    except Exception as e:  # a truncated or foreign file: say which file, not a traceback
+        sys.exit(f"error: cannot load {ckpt_path}: {str(e).splitlines()[0]}")
+    # context extension is a property of the rotation only, so it can change after training
+    if cfg["rope_scaling"] or cfg["rope_factor"]:
+        if model_args.get("pos_encoding") != "rope":
+            sys.exit(f"error: rope_scaling applies to RoPE models; this one uses "
+                     f"pos_encoding={model_args.get('pos_encoding')!r}")
+        model_args["rope_scaling"] = cfg["rope_scaling"] or model_args["rope_scaling"]
+        model_args["rope_factor"] = cfg["rope_factor"] or model_args["rope_factor"]
+        if model_args["rope_scaling"] == "none" and model_args["rope_factor"] != 1.0:
+            sys.exit("error: rope_factor needs --rope_scaling=linear or --rope_scaling=ntk")
+    try:
+        model = RoFormer(RoFormerConfig(**model_args))
+    except (TypeError, ValueError) as e:
+        sys.exit(f"error: model config: {e}")
+    model.load_state_dict(ckpt["model"])
+    model.eval().to(device=dev, dtype=getattr(torch, cfg["dtype"]))
+    sp = load_tokenizer(ckpt.get("tokenizer"), cfg["tokenizer"])
+    if sp.get_piece_size() > model.config.vocab_size:
+        sys.exit(f"error: tokenizer has {sp.get_piece_size()} pieces, the model only "
+                 f"{model.config.vocab_size}")
+    print(f"{ckpt_path}: iter {ckpt.get('iter_num')}, val loss {ckpt.get('best_val_loss', float('nan')):.4f}, "
+          f"{model.num_params() / 1e6:.2f}M params, {model_args['attention']} attention, "
+          f"{model_args['pos_encoding']} positions, rope_scaling {model_args['rope_scaling']} "
+          f"x{model_args['rope_factor']:g}; {dev} {cfg['dtype']}", file=sys.stderr)
+
+    # --- prompt --------------------------------------------------------------------------
+    ids = sp.encode(start_text)
+    if sp.unk_id() in ids:  # byte fallback off (or no byte piece): refuse to guess
+        bad = sorted({ch for ch in start_text if sp.unk_id() in sp.encode(ch)})
+        sys.exit(f"error: the tokenizer cannot encode these prompt characters: {''.join(bad)!r}")
+    eos = sp.eos_id()
+    if not ids:
+        # Every training document follows an end-of-document token, so that is the honest
+        # "start of a document" context; BOS never occurs in the training data.
+        ids = [eos] if eos >= 0 else [sp.bos_id()] if sp.bos_id() >= 0 else sp.encode("\n")
+        print(f"note: empty prompt; starting a new document from "
+              f"{sp.id_to_piece(ids[0])!r}", file=sys.stderr)
+    B = cfg["num_samples"]
+    x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(B, 1)
+    gen = torch.Generator(device=dev).manual_seed(cfg["seed"])
+
+    # --- generate ------------------------------------------------------------------------
+    streams = [TextStream(sp) for _ in range(B)]
+    for s in streams:
+        s.push(ids)
+    out = sys.stdout
+    out.write(streams[0].text)
+    out.flush()
+    done = [False] * B
+    steps, t0 = 0, time.perf_counter()
+    t_first = None
+    try:
+        for nxt in model.generate_stream(x, cfg["max_new_tokens"], cfg["temperature"],
+                                         cfg["top_k"] or None, cfg["top_p"], cfg["use_cache"],
+                                         gen):
+            for b, t in enumerate(nxt[:, 0].tolist()):  # .tolist() waits for the device
+                if done[b]:
+                    continue
+                if cfg["stop_at_eos"] and t == eos:
+                    done[b] = True
+                    continue
+                text = streams[b].push([t])
+                if b == 0 and text:
+                    out.write(text)
+                    out.flush()
+            steps += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+            if all(done):
+                break
+    except ValueError as e:  # e.g. learned positions asked to run past their table
+        sys.exit(f"error: {e}")
+    t_end = time.perf_counter()
+    for b, s in enumerate(streams):
+        rest = s.flush()
+        if b == 0:
+            out.write(rest + "\n")
+        else:
+            out.write("---------------\n" + s.text + "\n")
+    out.flush()
+    prompt_s = t_first - t0
+    line = f"prompt: {len(ids)} tokens x {B} in {prompt_s * 1e3:.1f} ms " \
+           f"({len(ids) * B / prompt_s:.0f} tok/s, incl. the first sample)"
+    if steps > 1:
+        line += f"; decode: {steps - 1} steps x {B} in {t_end - t_first:.2f} s " \
+                f"({(steps - 1) * B / (t_end - t_first):.1f} tok/s)"
+    print(line + f"; cache {'on' if cfg['use_cache'] else 'off'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop generating, and point stdout at /dev/null so
+        # the interpreter's final flush does not print a second BrokenPipeError.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:
+        sys.exit(130)
