@@ -52,7 +52,7 @@ def reference_forward(model, idx, window=None):
         pe = torch.tensor([[math.sin(m * 10000 ** (-2 * i / c.n_embd)) for i in range(half)] +
                            [math.cos(m * 10000 ** (-2 * i / c.n_embd)) for i in range(half)]
                            for m in range(T)], dtype=torch.float64)
-        x = x + pe
+        x = x + 0.02 * math.sqrt(2) * pe  # scaled to the token embeddings' init RMS
     Rs = [rotation_matrix(m, D, c.rope_base) for m in range(T)]
     rot = lambda t: torch.stack([t[:, :, m] @ Rs[m].T for m in range(T)], dim=2)  # noqa
     mpos = torch.arange(T)
@@ -412,6 +412,16 @@ def test_overfits_a_fixed_batch(attention):
         loss.backward()
         opt.step()
     assert first > 3.0 and loss.item() < 0.5 * first
+
+
+def test_sinusoidal_table_has_the_embeddings_init_scale():
+    """The baseline's fixed table must not drown the token embeddings (init std 0.02)."""
+    m = tiny(pos_encoding="sinusoidal", n_embd=64, block_size=512)
+    table = m(torch.zeros(1, 512, dtype=torch.long))[0]  # exercises the forward path too
+    from model import sinusoidal_embedding
+    rms = sinusoidal_embedding(torch.arange(512), 64).pow(2).mean().sqrt().item()
+    tok = m.wte.weight.pow(2).mean().sqrt().item()
+    assert table.isfinite().all() and 0.5 < rms / tok < 2.0
 
 
 def test_params_and_flops():
