@@ -143,7 +143,15 @@ if device_type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
     torch.backends.cudnn.allow_tf32 = True
 if ddp:
-    torch.distributed.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    # Rendezvous by hand to prefix the store's keys with the restart count: after a
+    # `torchrun --max-restarts` restart, the agent's store still holds the dead workers'
+    # addresses, and gloo would sometimes connect to them (refused, or hung) instead of the
+    # new ones.
+    store, _, _ = next(torch.distributed.rendezvous("env://"))
+    store = torch.distributed.PrefixStore(
+        f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    torch.distributed.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                         store=store, rank=rank, world_size=world)
 
 
 def cpu_has_bf16():
@@ -302,10 +310,8 @@ resumed = init_from == "resume"
 model = torch.compile(raw_model) if compile else raw_model
 eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
 if ddp:
-    # broadcast_buffers=False: the only buffers are the RoPE tables, the same on every rank
     model = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[local_rank] if device_type == "cuda" else None,
-        broadcast_buffers=False)
+        model, device_ids=[local_rank] if device_type == "cuda" else None)
 
 
 def get_lr(it):
@@ -466,7 +472,8 @@ while iter_num < max_iters:
             with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
-            loss = loss / gradient_accumulation_steps  # DDP averages over ranks: 1/G overall
+            # mean over this rank's micro-steps; DDP then averages over the N ranks: 1/G overall
+            loss = loss / local_steps
             if scaler is not None:
                 scaler.scale(loss).backward()
             else:
@@ -476,6 +483,7 @@ while iter_num < max_iters:
     if ddp:
         torch.distributed.all_reduce(flags)
     if flags[0] > 0:
+        bar.close()
         fail(f"non-finite loss at iteration {iter_num}; stopping without saving "
              f"(the last good checkpoint, if any, is {ckpt_path})")
     if grad_clip > 0:
