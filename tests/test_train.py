@@ -220,7 +220,9 @@ def test_compile_trains_on_cpu(data, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--n_layers=2"], "unknown config key 'n_layers' (did you mean 'n_layer'?)"),
     (["--batch_size=big"], "batch_size"),
-    (["--dataset=nosuchcorpus"], "python data/nosuchcorpus/prepare.py"),
+    (["--dataset=nosuchcorpus"], "python data/text/prepare.py --input YOUR_FILES "
+                                 "--out_dir data/nosuchcorpus"),
+    (["--dataset=shakespeare_char"], "python data/shakespeare/prepare.py --char"),
     (["--n_embd=30", "--n_head=4", "DATA"], "divisible"),
     (["--init_from=resume", "DATA"], "does not exist"),
 ])
