@@ -49,39 +49,51 @@ def matmul_rate(dtype):
     return 2 * 1024 ** 3 * n / (time.perf_counter() - t0)
 
 
-def run(pos, dtype, compiled):
+def setup(pos, dtype, compiled):
     torch.manual_seed(0)
     cfg = RoFormerConfig(vocab_size=4096, pos_encoding=pos, **fields)
     raw = RoFormer(cfg).to(dev)
     model = torch.compile(raw) if compiled else raw
     opt = raw.configure_optimizers(0.1, 1e-3, device_type=dev.split(":")[0])
-    x = torch.randint(0, 4096, (B, T), device=dev)
-    y = torch.randint(0, 4096, (B, T), device=dev)
     ctx = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16")
-    times = []
-    for i in range(args["warmup"] + args["steps"]):
-        t0 = time.perf_counter()
-        with ctx:
-            loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    dt = sorted(times[args["warmup"]:])[len(times[args["warmup"]:]) // 2]  # median step
-    return B * T / dt, raw.flops_per_token(T) * B * T / dt
+    return raw, model, opt, ctx
+
+
+def step(model, opt, ctx, x, y):
+    t0 = time.perf_counter()
+    with ctx:
+        loss = model(x, y)[1]
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 peaks = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
 variants = [(p, d, c) for c in ((False, True) if args["compile"] else (False,))
             for d in ("fp32", "bf16") for p in ("rope", "learned")]
-rows = []
+x = torch.randint(0, 4096, (B, T), device=dev)
+y = torch.randint(0, 4096, (B, T), device=dev)
 from tqdm import tqdm  # noqa: E402
 
-for pos, dtype, compiled in tqdm(variants, desc="variants"):
-    tok_s, flops = run(pos, dtype, compiled)
-    rows.append((pos, dtype, compiled, tok_s, flops))
+built = []
+for v in tqdm(variants, desc="build + warm up (compiles)"):
+    raw, model, opt, ctx = setup(*v)
+    for _ in range(args["warmup"]):
+        step(model, opt, ctx, x, y)
+    built.append((raw, model, opt, ctx))
+# Round-robin: one step of every variant per round, so a change in the machine's load (it is
+# shared) hits all variants alike; the median step per variant is kept.
+times = [[] for _ in variants]
+for _ in tqdm(range(args["steps"]), desc="timed rounds"):
+    for i, (raw, model, opt, ctx) in enumerate(built):
+        times[i].append(step(model, opt, ctx, x, y))
+rows = []
+for v, (raw, *_), ts in zip(variants, built, times):
+    dt = sorted(ts)[len(ts) // 2]
+    rows.append((*v, B * T / dt, raw.flops_per_token(T) * B * T / dt))
 base = next(r[3] for r in rows if r[:3] == ("rope", "fp32", False))
 print(f"\nmodel {fields}, batch {B}x{T}, {torch.get_num_threads()} threads, device {dev}")
 print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} "
