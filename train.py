@@ -1,0 +1,520 @@
+"""
+Train a RoFormer language model. One script for a laptop CPU and for a GPU cluster.
+
+    python train.py config/small.py                       # one process, device picked for you
+    python train.py config/small.py --batch_size=8 --compile=False
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py   # DDP, one node
+
+Configuration: the module-level variables below are the defaults; config files (plain Python)
+and then --key=value arguments override them (configurator.py). Every field of RoFormerConfig
+is a key of its own.
+
+Determinism, which exact resume and DDP rest on: the batch of a micro-step is a pure function
+of (seed, iteration, global micro-step), with global micro-step = rank * G/N + local micro-step
+for N ranks and gradient accumulation G, drawn from a generator of its own; dropout is seeded
+the same way. So a resumed run replays exactly the batches an unbroken run would have seen,
+N ranks see the batches of one process, and evaluation (its own fixed generator) never
+disturbs training.
+"""
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from configurator import ConfigError, configure
+from model import RoFormer, RoFormerConfig
+
+# ----------------------------------------------------------------------------------------
+# defaults
+# I/O
+out_dir = "out"
+dataset = "pystdlib"         # data/<dataset>/: train.bin, val.bin, meta.json, tokenizer.model
+data_dir = ""                # "" means data/<dataset> next to this script
+init_from = "scratch"        # "scratch" | "resume" (from out_dir/ckpt.pt)
+eval_interval = 250          # evaluate, log and checkpoint every this many iterations
+eval_iters = 20              # batches per split per evaluation
+log_interval = 1             # refresh the progress bar every this many iterations
+# wandb (optional; WANDB_MODE=offline works without a network)
+wandb_log = False
+wandb_project = "roformer"
+wandb_run_name = "run"
+# data
+batch_size = 16              # sequences per micro-step per process
+gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL processes
+# model: every field of RoFormerConfig (vocab_size 0: take it from the dataset's meta.json)
+vocab_size = 0
+block_size = 256
+n_layer = 6
+n_head = 6
+n_embd = 384
+dropout = 0.0
+bias = False
+rope_base = 10000.0
+attention = "softmax"
+feature_map = "elu"
+pos_encoding = "rope"
+linear_chunk = 64
+linear_norm = False
+rope_scaling = "none"
+rope_factor = 1.0
+# AdamW, linear warmup then cosine decay to min_lr at lr_decay_iters
+learning_rate = 6e-4
+max_iters = 5000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0              # 0 disables clipping
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 5000        # the schedule depends on this, never on max_iters (exact resume)
+min_lr = 6e-5
+# system
+device = "auto"              # "auto" | "cpu" | "cuda" | "cuda:1" | "mps"
+dtype = "auto"               # "auto" | "float32" | "bfloat16" | "float16"
+compile = True               # torch.compile the model (--compile=False always works)
+seed = 1337
+
+MODEL_KEYS = [f.name for f in dataclasses.fields(RoFormerConfig)]
+# Keys that only say how long / how often: they may change on resume without breaking exactness.
+LOOP_KEYS = {"max_iters", "eval_interval", "eval_iters", "log_interval", "out_dir", "init_from",
+             "wandb_log", "wandb_project", "wandb_run_name", "compile", "device"}
+defaults = {k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
+            and isinstance(v, (bool, int, float, str)) and k not in ("MODEL_KEYS",)}
+assert set(MODEL_KEYS) <= set(defaults), "a RoFormerConfig field has no training config key"
+try:
+    config = configure(defaults, sys.argv[1:])
+except ConfigError as e:
+    sys.exit(f"error: {e}")
+globals().update(config)
+
+
+def fail(msg):
+    sys.exit(f"error: {msg}")
+
+
+for _k in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
+           "log_interval", "lr_decay_iters"):
+    if config[_k] < 1:
+        fail(f"{_k} must be >= 1, got {config[_k]}")
+if init_from not in ("scratch", "resume"):
+    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+if dtype not in ("auto", "float32", "bfloat16", "float16"):
+    fail(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+if warmup_iters > lr_decay_iters:
+    fail(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters ({lr_decay_iters})")
+
+# ----------------------------------------------------------------------------------------
+# processes: torchrun sets RANK/WORLD_SIZE; otherwise a single process
+ddp = int(os.environ.get("RANK", -1)) != -1
+rank, local_rank, world = 0, 0, 1
+if ddp:
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if gradient_accumulation_steps % world:
+        fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
+             f"the number of processes ({world})")
+master = rank == 0
+local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
+
+if device == "auto":
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        device = "mps"
+    else:
+        device = "cpu"
+if ddp and device.startswith("cuda"):
+    device = f"cuda:{local_rank}"
+device_type = device.split(":")[0]
+if device_type == "cuda":
+    if not torch.cuda.is_available():
+        fail(f"device={device!r} but CUDA is not available")
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
+    torch.backends.cudnn.allow_tf32 = True
+if ddp:
+    torch.distributed.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+
+
+def cpu_has_bf16():
+    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast is
+    several times faster than fp32; elsewhere it is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:  # not Linux: be conservative
+        return False
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
+
+
+if dtype == "auto":
+    if device_type == "cuda":
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif device_type == "cpu":
+        dtype = "bfloat16" if cpu_has_bf16() else "float32"
+    else:
+        dtype = "float32"
+if dtype == "float16" and device_type != "cuda":
+    fail("dtype=float16 needs CUDA (its GradScaler); use bfloat16 or float32")
+ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+autocast = (contextlib.nullcontext() if dtype == "float32"
+            else torch.autocast(device_type=device_type, dtype=ptdtype))
+config.update(device=device, dtype=dtype)  # what actually ran, recorded in the checkpoint
+
+# ----------------------------------------------------------------------------------------
+# data
+here = os.path.dirname(os.path.abspath(__file__))
+ddir = data_dir or os.path.join(here, "data", dataset)
+needed = ["train.bin", "val.bin", "meta.json"]
+missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
+if missing and dataset == "pystdlib" and not data_dir:
+    # The default corpus is built from this Python's standard library: no download, so the
+    # first command works on a fresh clone. Rank 0 builds it; the others wait at the barrier.
+    if master:
+        print(f"data/{dataset} not found: building it with data/{dataset}/prepare.py ...",
+              flush=True)
+        r = subprocess.run([sys.executable, os.path.join(here, "data", dataset, "prepare.py")])
+        if r.returncode:
+            fail(f"python data/{dataset}/prepare.py failed (exit {r.returncode})")
+    if ddp:
+        torch.distributed.barrier()
+    missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
+if missing:
+    fail(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); build it with: "
+         f"python data/{dataset}/prepare.py")
+with open(os.path.join(ddir, "meta.json")) as f:
+    meta = json.load(f)
+data_dtype = np.dtype(meta["dtype"])
+
+
+def tokens(split):
+    # A fresh memmap per call: numpy keeps pages of a long-lived memmap resident (nanoGPT #268).
+    return np.memmap(os.path.join(ddir, f"{split}.bin"), dtype=data_dtype, mode="r")
+
+
+for _s in ("train", "val"):
+    if len(tokens(_s)) < block_size + 2:
+        fail(f"{ddir}/{_s}.bin has {len(tokens(_s))} tokens, fewer than block_size+2 = "
+             f"{block_size + 2}; lower block_size or use more data")
+
+
+def get_batch(split, rng, bs, T):
+    """bs random windows of T+1 tokens, picked by the numpy Generator `rng`."""
+    data = tokens(split)
+    ix = rng.integers(0, len(data) - T - 1, size=bs)
+    w = torch.from_numpy(data[ix[:, None] + np.arange(T + 1)].astype(np.int64))
+    x, y = w[:, :-1], w[:, 1:]
+    if device_type == "cuda":
+        return (x.pin_memory().to(device, non_blocking=True),
+                y.pin_memory().to(device, non_blocking=True))
+    return x.to(device), y.to(device)
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+tok_path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))
+tokenizer = {"dataset": dataset, "data_dir": data_dir, "path": tok_path,
+             "sha256": file_sha256(tok_path) if os.path.exists(tok_path) else None,
+             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
+             "bos_id": meta.get("bos_id")}
+
+# ----------------------------------------------------------------------------------------
+# model, optimizer, and the checkpoint to resume from
+os.makedirs(out_dir, exist_ok=True)
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+log_path = os.path.join(out_dir, "log.jsonl")
+restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+if init_from == "scratch" and restarts > 0 and os.path.exists(ckpt_path):
+    # torchrun --max-restarts=K restarted us after a crash: continue from the last checkpoint
+    # instead of starting over (the first attempt wrote it).
+    if master:
+        print(f"restart {restarts}: resuming from {ckpt_path}", flush=True)
+    init_from = "resume"
+
+ckpt = None
+if init_from == "resume":
+    if not os.path.exists(ckpt_path):
+        fail(f"init_from=resume but {ckpt_path} does not exist")
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
+    differ = [k for k in config if k not in LOOP_KEYS and k not in ("dtype",)
+              and k in ckpt["config"] and ckpt["config"][k] != config[k]
+              and not (k in MODEL_KEYS and model_args.get(k) == config[k])]
+    if master and differ:
+        print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
+              f"(model keys are taken from the checkpoint; the rest from this command)")
+    block_size = model_args["block_size"]
+    if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
+        fail(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
+             f"{tok_path}; resume with the same dataset")
+else:
+    model_args = {k: config[k] for k in MODEL_KEYS}
+    if model_args["vocab_size"] == 0:
+        model_args["vocab_size"] = meta["vocab_size"]
+    elif model_args["vocab_size"] < meta["vocab_size"]:
+        fail(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
+             f"{meta['vocab_size']}")
+try:
+    mconf = RoFormerConfig(**model_args)
+except ValueError as e:
+    fail(str(e))
+model_args = dataclasses.asdict(mconf)
+torch.manual_seed(seed)  # the initial weights
+raw_model = RoFormer(mconf)
+if ckpt is not None:
+    raw_model.load_state_dict(ckpt["model"])
+raw_model.to(device)
+optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2),
+                                           device_type)
+# fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16") \
+    if device_type == "cuda" else None
+iter_num, best_val_loss = 0, float("inf")
+if ckpt is not None:
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if scaler is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    rs = ckpt["rng"]  # batches and dropout are reseeded every micro-step; restored anyway
+    torch.set_rng_state(rs["torch"])
+    np.random.set_state(tuple(rs["numpy"]))
+    random.setstate((rs["python"][0], tuple(rs["python"][1]), rs["python"][2]))
+    del ckpt
+start_iter = iter_num
+resumed = init_from == "resume"
+
+model = torch.compile(raw_model) if compile else raw_model
+eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
+if ddp:
+    # broadcast_buffers=False: the only buffers are the RoPE tables, the same on every rank
+    model = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[local_rank] if device_type == "cuda" else None,
+        broadcast_buffers=False)
+
+
+def get_lr(it):
+    """Linear warmup, then cosine from learning_rate to min_lr at lr_decay_iters, then flat."""
+    if not decay_lr:
+        return learning_rate
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss on eval_iters fixed batches per split. Its generator is rebuilt from the seed
+    every time, so every evaluation sees the same batches and no training RNG is consumed."""
+    out = {}
+    eval_model.eval()
+    for i, split in enumerate(("train", "val")):
+        rng = np.random.default_rng([seed, 7919, i])
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            x, y = get_batch(split, rng, batch_size, block_size)
+            with autocast:
+                losses[k] = eval_model(x, y)[1].float()
+        out[split] = losses.mean().item()
+    eval_model.train()
+    return out
+
+
+def save_checkpoint():
+    """Atomic: write ckpt.pt.tmp, then rename over ckpt.pt (a crash never leaves half a file)."""
+    npst = np.random.get_state()
+    ck = {"model": raw_model.state_dict(),  # the uncompiled module: no _orig_mod. prefixes
+          "optimizer": optimizer.state_dict(),
+          "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+          "iter_num": iter_num, "best_val_loss": best_val_loss,
+          "model_args": model_args, "config": config, "tokenizer": tokenizer,
+          "rng": {"torch": torch.get_rng_state(),
+                  "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]),
+                            float(npst[4])],
+                  "python": list(random.getstate())}}
+    torch.save(ck, ckpt_path + ".tmp")
+    os.replace(ckpt_path + ".tmp", ckpt_path)
+
+
+def peak_flops():
+    """FLOP/s that MFU is measured against. GPU: the datasheet's dense bf16/fp16 rate where we
+    know the card. CPU: a 1024^3 matmul in the run's dtype, timed now, on this process's
+    threads (a CPU has no honest datasheet number)."""
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
+                 "L4": 121e12, "V100": 125e12}
+        return next((v for k, v in table.items() if k in name), None)
+    if device_type != "cpu":
+        return None
+    a = torch.randn(1024, 1024, dtype=ptdtype)
+    a @ a  # warm up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        a @ a
+        n += 1
+    return 2 * 1024 ** 3 * n / (time.perf_counter() - t0) * world
+
+
+peak = peak_flops()
+flops_per_iter = raw_model.flops_per_token(block_size) * batch_size * block_size * \
+    gradient_accumulation_steps
+tokens_per_iter = batch_size * block_size * gradient_accumulation_steps
+
+# ----------------------------------------------------------------------------------------
+# logging
+if init_from == "scratch" and master:
+    open(log_path, "w").close()  # a new run: a new log
+elif master and os.path.exists(log_path):
+    # Drop evaluations logged after the checkpoint (a crash between the two): the resumed run
+    # logs them again.
+    with open(log_path) as f:
+        kept = [ln for ln in f if ln.strip() and json.loads(ln)["iter"] <= start_iter]
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
+if wandb_log and master:
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
+if master:
+    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
+          f"compile={compile}, {world} process(es), {tokens_per_iter:,} tokens/iter, "
+          f"data {ddir}", flush=True)
+
+stop = False
+
+
+def on_signal(signum, frame):
+    # Finish the step in flight, save, exit 0. A second signal stops at once.
+    global stop
+    stop = True
+    signal.signal(signum, signal.SIG_DFL)
+
+
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
+# Test-only crash hook: ROFORMER_CRASH_AT="iter:rank" kills that rank hard at that iteration on
+# the first attempt under torchrun, so tests can check --max-restarts resumes exactly.
+crash_at = os.environ.get("ROFORMER_CRASH_AT")
+crash_at = tuple(map(int, crash_at.split(":"))) if crash_at else None
+
+# ----------------------------------------------------------------------------------------
+# the loop
+from tqdm import tqdm  # noqa: E402
+
+bar = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True,
+           unit="it")
+t_start = time.time()
+tok_s = None
+
+
+def evaluate():
+    global best_val_loss
+    losses = estimate_loss()
+    best_val_loss = min(best_val_loss, losses["val"])
+    rec = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
+           "lr": get_lr(iter_num), "tokens": iter_num * tokens_per_iter,
+           "time_s": round(time.time() - t_start, 3)}
+    with open(log_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    bar.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
+    if wandb_log:
+        wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
+                   "lr": rec["lr"], "tokens": rec["tokens"]}, step=iter_num)
+
+
+while iter_num < max_iters:
+    # evaluate + checkpoint (not at the iteration a resumed run starts from: already done)
+    if master and iter_num % eval_interval == 0 and not (resumed and iter_num == start_iter):
+        evaluate()
+        if iter_num > 0:
+            save_checkpoint()
+    if crash_at and crash_at == (iter_num, rank) and restarts == 0:
+        os._exit(17)
+
+    t0 = time.time()
+    lr = get_lr(iter_num)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(local_steps):
+        gstep = rank * local_steps + micro  # the global micro-step: same batches for any N
+        rng = np.random.default_rng([seed, iter_num, gstep])
+        x, y = get_batch("train", rng, batch_size, block_size)
+        torch.manual_seed(int(rng.integers(2 ** 62)))  # dropout, also a function of the step
+        last = micro == local_steps - 1
+        # DDP all-reduces gradients on the last micro-step only
+        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+            with autocast:
+                loss = model(x, y)[1]
+            loss_sum += loss.detach()
+            loss = loss / gradient_accumulation_steps  # DDP averages over ranks: 1/G overall
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+    # one sync per step: stop together, and never step on a non-finite loss
+    flags = torch.tensor([float(not torch.isfinite(loss_sum)), float(stop)], device=device)
+    if ddp:
+        torch.distributed.all_reduce(flags)
+    if flags[0] > 0:
+        fail(f"non-finite loss at iteration {iter_num}; stopping without saving "
+             f"(the last good checkpoint, if any, is {ckpt_path})")
+    if grad_clip > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    iter_num += 1
+
+    dt = time.time() - t0
+    if master and (iter_num % log_interval == 0 or iter_num == max_iters):
+        # tokens/s smoothed over steps; the first steps (compilation) are skipped
+        rate = tokens_per_iter / dt
+        if iter_num - start_iter > 2:
+            tok_s = rate if tok_s is None else 0.9 * tok_s + 0.1 * rate
+        post = {"loss": f"{loss_sum.item() / local_steps:.4f}"}
+        if tok_s:
+            post["tok/s"] = f"{tok_s:,.0f}"
+            if peak:
+                post["mfu"] = f"{100 * tok_s / tokens_per_iter * flops_per_iter / peak:.1f}%"
+        bar.set_postfix(post, refresh=False)
+    bar.update(1)
+    if flags[1] > 0:
+        bar.write(f"signal received: stopping at iteration {iter_num}")
+        break
+
+# the final state is always evaluated (once) and saved
+if master:
+    if iter_num > start_iter or not resumed:
+        evaluate()
+    save_checkpoint()
+bar.close()
+if wandb_log and master:
+    wandb.finish()
+if ddp:
+    torch.distributed.barrier()  # nobody leaves before rank 0 has saved
+    torch.distributed.destroy_process_group()
