@@ -1,0 +1,72 @@
+"""Tiny Shakespeare (about 1 MB, 40k lines), downloaded when the machine is online, or taken
+from a local copy with --input. --char builds a character-level variant in
+data/shakespeare_char/ so results can be set beside nanoGPT's shakespeare_char.
+
+    python data/shakespeare/prepare.py [--input FILE] [--char]
+
+The file is one document split at blank lines (each speech is a document), so train and val
+share no speech. nanoGPT instead cuts the text at 90% of its length, so losses are close to
+comparable but not identical (ours also predicts an end-of-document token per speech).
+"""
+import argparse
+import os
+import sys
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+from data import common  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+def download(path, timeout):
+    """Fetch tiny Shakespeare to path (via a temp name); a short timeout so an offline
+    machine fails fast with a hint instead of hanging."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    print(f"downloading {URL} ...")
+    try:
+        with urllib.request.urlopen(URL, timeout=timeout) as r, open(tmp, "wb") as f:
+            f.write(r.read())
+        os.replace(tmp, path)
+    except (OSError, ValueError) as e:  # URLError, timeouts and HTTP errors are OSErrors
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise common.PrepareError(f"could not download tiny Shakespeare ({getattr(e, 'reason', e)}); "
+                                  f"pass --input PATH with a local copy of it")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="a local copy; default: data/shakespeare/input.txt, downloaded if missing")
+    p.add_argument("--char", action="store_true", help="character-level tokenizer")
+    p.add_argument("--out_dir", default=None,
+                   help="default: data/shakespeare, or data/shakespeare_char with --char")
+    p.add_argument("--vocab_size", type=int, default=2048, help="bpe only (--char sizes itself)")
+    p.add_argument("--val_fraction", type=float, default=0.1)
+    p.add_argument("--min_val_tokens", type=int, default=1025)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--timeout", type=float, default=10.0, help="download timeout, seconds")
+    args = p.parse_args(argv)
+
+    def body(_):
+        path = args.input
+        if path is None:
+            path = os.path.join(HERE, "input.txt")
+            if not os.path.exists(path):
+                download(path, args.timeout)
+        docs, skipped = common.file_documents(common.find_files([path]), "fail")
+        name = "shakespeare_char" if args.char else "shakespeare"
+        out_dir = args.out_dir or os.path.join(os.path.dirname(HERE), name)
+        return common.prepare(out_dir, name, docs, os.path.abspath(path),
+                              vocab_size=0 if args.char else args.vocab_size,
+                              model_type="char" if args.char else "bpe",
+                              val_fraction=args.val_fraction, min_val_tokens=args.min_val_tokens,
+                              seed=args.seed, skipped=skipped)
+    return common.run(body, argv)
+
+
+if __name__ == "__main__":
+    main()
