@@ -91,7 +91,7 @@ def parse_args(argv):
     ap.add_argument("--n_head", type=int, default=4)
     ap.add_argument("--n_embd", type=int, default=128)
     ap.add_argument("--learning_rate", type=float, default=2e-3)
-    ap.add_argument("--warmup_iters", type=int, default=50)
+    ap.add_argument("--warmup_iters", type=int, default=None, help="default: max_iters // 12")
     # the summary
     ap.add_argument("--target_loss", type=float, default=None,
                     help="default: the mean final val loss of 'learned' (the baseline)")
@@ -126,6 +126,10 @@ def parse_args(argv):
     if args.max_iters < args.eval_interval or args.eval_interval < 1:
         sys.exit(f"error: need 1 <= eval_interval <= max_iters, got {args.eval_interval} "
                  f"and {args.max_iters}")
+    if args.warmup_iters is None:
+        args.warmup_iters = args.max_iters // 12
+    if not 0 <= args.warmup_iters <= args.max_iters:
+        sys.exit(f"error: need 0 <= warmup_iters <= max_iters, got {args.warmup_iters}")
     if args.gen_mult < 2 or min(args.eval_windows, args.eval_batch, args.gen_seqs) < 1:
         sys.exit("error: need gen_mult >= 2 and eval_windows, eval_batch, gen_seqs >= 1")
     if not 0 <= args.sinks < args.block_size:
