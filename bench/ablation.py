@@ -2,7 +2,7 @@
 What RoPE buys, measured on this repo: a position-encoding ablation, length extrapolation,
 and generation past the training length. One command runs all three:
 
-    python bench/ablation.py                     # the defaults: a 2-core CPU, ~40 minutes
+    python bench/ablation.py                     # the defaults: a 2-core CPU, < 45 minutes
     python bench/ablation.py --device=cuda --max_iters=3000 --n_layer=6 --n_embd=384 \\
         --block_size=256 --batch_size=64 --out=bench/results/gpu
 
@@ -552,8 +552,10 @@ def generation_report(args, rows, bs):
     N = args.gen_mult * bs
     lines = [f"Mean loss of each next token on {args.gen_seqs} held-out sequences of {N} tokens "
              f"({args.gen_mult}x block_size), by the position of the predicted token's context "
-             f"end; first seed of each variant. The last column is everything past block_size. "
-             f"Inside the first block all methods compute the same thing (checked).", "",
+             f"end (the first column is inside the training length, where all methods compute the "
+             f"same thing: checked); first seed of each variant. The last column is everything "
+             f"past block_size. Compare methods within a column: the columns hold different "
+             f"text.", "",
              "| variant | method | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for r in rows:
         lines.append(f"| {r['variant']} | {GEN_NAMES[r['method']].format(k=args.sinks)} | "
