@@ -101,6 +101,10 @@ def parse_args(argv):
     ap.add_argument("--eval_batch", type=int, default=16)
     ap.add_argument("--gen_seqs", type=int, default=4, help="generation: held-out sequences")
     ap.add_argument("--gen_mult", type=int, default=8, help="their length, x block_size")
+    ap.add_argument("--gen_stride", type=int, default=4,
+                    help="past block_size, score every this many positions (crop-and-recompute "
+                         "costs a forward of block_size tokens per position scored)")
+    ap.add_argument("--crop_batch", type=int, default=64, help="windows per forward when cropping")
     ap.add_argument("--sinks", type=int, default=4,
                     help="positions kept as attention sinks in the rolling cache (0: skip)")
     args, extra = ap.parse_known_args(argv)
@@ -130,8 +134,10 @@ def parse_args(argv):
         args.warmup_iters = args.max_iters // 12
     if not 0 <= args.warmup_iters <= args.max_iters:
         sys.exit(f"error: need 0 <= warmup_iters <= max_iters, got {args.warmup_iters}")
-    if args.gen_mult < 2 or min(args.eval_windows, args.eval_batch, args.gen_seqs) < 1:
-        sys.exit("error: need gen_mult >= 2 and eval_windows, eval_batch, gen_seqs >= 1")
+    if args.gen_mult < 2 or min(args.eval_windows, args.eval_batch, args.gen_seqs,
+                                args.gen_stride, args.crop_batch) < 1:
+        sys.exit("error: need gen_mult >= 2 and eval_windows, eval_batch, gen_seqs, gen_stride, "
+                 "crop_batch >= 1")
     if not 0 <= args.sinks < args.block_size:
         sys.exit(f"error: --sinks must be in [0, block_size), got {args.sinks}")
     args.out = os.path.abspath(args.out)
@@ -414,16 +420,23 @@ def keep_sinks(model, n_sink):
     return model
 
 
+def scored_positions(T, bs, stride):
+    """Context ends t (predicting token t+1) that generation scores: every t inside the first
+    block, then every stride-th one."""
+    return torch.cat((torch.arange(min(bs, T)), torch.arange(bs, T, stride)))
+
+
 @torch.no_grad()
-def crop_losses(model, x, batch):
+def crop_losses(model, x, batch, stride=1):
     """Crop-and-recompute: token t+1 of x (T+1,) predicted from x[max(0, t-bs+1) : t+1]
-    run from scratch at positions 0.. (what generate(use_cache=False) does). The first
-    block_size predictions come from one forward; each later one from its own window,
-    `batch` windows per forward. Returns (T,)."""
+    run from scratch at positions 0.. (what generate(use_cache=False) does), for the t in
+    scored_positions. The first block_size predictions come from one forward; each later one
+    from its own window, `batch` windows per forward. Returns (len(scored_positions),)."""
     bs = model.config.block_size
     first = token_losses(model, x[None, :bs + 1])[0]
-    wins = x[:-1].unfold(0, bs, 1)[1:]  # windows starting at 1 .. T-bs: context ends bs .. T-1
-    tgts = x[bs + 1:]
+    # windows starting at 1 .. T-bs: context ends bs .. T-1, every stride-th of them
+    wins = x[:-1].unfold(0, bs, 1)[1::stride]
+    tgts = x[bs + 1::stride]
     rest = []
     for i in range(0, wins.size(0), batch):
         logits = model(wins[i:i + batch])[0][:, -1]
@@ -514,7 +527,9 @@ def generation(args, runs):
         bs = c.block_size
         N = args.gen_mult * bs
         seqs = spaced_windows(val, args.gen_seqs, N + 1).to(args.device)
-        losses = {"crop": torch.stack([crop_losses(model, s, args.eval_batch) for s in seqs])}
+        pos = scored_positions(N, bs, args.gen_stride)
+        losses = {"crop": torch.stack([crop_losses(model, s, args.crop_batch, args.gen_stride)
+                                       for s in seqs])}
         if c.attention == "linear":
             losses["recurrent"] = token_losses(model, seqs, cached=True)
         elif c.pos_encoding != "learned":
@@ -523,6 +538,7 @@ def generation(args, runs):
             if args.sinks:
                 losses["sinks"] = token_losses(keep_sinks(load_model(ckpt, args.device),
                                                           args.sinks), seqs, cached=True)
+        losses = {k: v if k == "crop" else v[:, pos.to(v.device)] for k, v in losses.items()}
         # inside the first block every method computes the same thing: a check, not a result
         for name, lo in losses.items():
             gap = (lo[:, :bs] - losses["crop"][:, :bs]).abs().max().item()
@@ -533,8 +549,8 @@ def generation(args, runs):
         for name, lo in losses.items():
             row = {"variant": run["variant"], "seed": run["seed"], "method": name}
             for a, b in zip(edges[:-1], edges[1:]):
-                row[f"{a}-{b - 1}"] = lo[:, a:b].mean().item()
-            row[f"{bs}-{N - 1}"] = lo[:, bs:].mean().item()
+                row[f"{a}-{b - 1}"] = lo[:, (pos >= a) & (pos < b)].mean().item()
+            row[f"{bs}-{N - 1}"] = lo[:, pos >= bs].mean().item()
             rows.append(row)
     return rows
 
@@ -552,7 +568,8 @@ def generation_report(args, rows, bs):
     N = args.gen_mult * bs
     lines = [f"Mean loss of each next token on {args.gen_seqs} held-out sequences of {N} tokens "
              f"({args.gen_mult}x block_size), by the position of the predicted token's context "
-             f"end (the first column is inside the training length, where all methods compute the "
+             f"end, every position inside the first block, then every {args.gen_stride}th "
+             f"(the first column is inside the training length, where all methods compute the "
              f"same thing: checked); first seed of each variant. The last column is everything "
              f"past block_size. Compare methods within a column: the columns hold different "
              f"text.", "",

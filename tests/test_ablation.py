@@ -26,17 +26,19 @@ def tiny(**kw):
     return RoFormer(RoFormerConfig(**args)).eval()
 
 
-@pytest.mark.parametrize("attention", ["softmax", "linear"])
-def test_crop_losses_equal_one_window_at_a_time(attention):
+@pytest.mark.parametrize("attention,stride", [("softmax", 1), ("linear", 1), ("softmax", 3)])
+def test_crop_losses_equal_one_window_at_a_time(attention, stride):
     m = tiny(attention=attention, linear_chunk=4)
     x = torch.randint(0, 61, (30,))
-    got = ablation.crop_losses(m, x, batch=5)
+    got = ablation.crop_losses(m, x, batch=5, stride=stride)
     want = []
     with torch.no_grad():
-        for t in range(29):
+        for t in ablation.scored_positions(29, 8, stride).tolist():
             logits = m(x[max(0, t - 7):t + 1][None])[0][0, -1]
             want.append(F.cross_entropy(logits, x[t + 1]))
     assert torch.allclose(got, torch.stack(want), atol=1e-5)
+    if stride == 3:
+        assert ablation.scored_positions(29, 8, 3).tolist() == list(range(8)) + [8, 11, 14, 17, 20, 23, 26]
 
 
 def test_sinks_zero_is_the_plain_rolling_cache():
@@ -98,7 +100,7 @@ def test_ablation_smoke(tmp_path, capsys):
     argv = [f"--data_dir={data}", f"--out={out}", "--max_iters=4", "--eval_interval=2",
             "--eval_iters=1", "--batch_size=4", "--block_size=16", "--n_layer=1", "--n_head=2",
             "--n_embd=16", "--seeds=3,4", "--eval_windows=2", "--eval_batch=2", "--gen_seqs=2",
-            "--gen_mult=3", "--sinks=2", "--log_interval=2"]  # the last one goes to train.py
+            "--gen_mult=3", "--gen_stride=2", "--sinks=2", "--log_interval=2"]  # the last one goes to train.py
     ablation.main(argv)
     runs = {(v, s) for v in ablation.VARIANTS for s in ([3, 4] if v in ("rope", "learned") else [3])}
 
