@@ -67,7 +67,7 @@ MULTIPLES = (1, 2, 4)  # extrapolation lengths, in units of block_size
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--stages", default="train,extrap,gen",
@@ -121,6 +121,9 @@ def parse_args(argv):
     for s in args.stages:
         if s not in ("train", "extrap", "gen"):
             sys.exit(f"error: unknown stage {s!r}; choose from train, extrap, gen")
+    if extra and "train" not in args.stages:
+        sys.exit(f"error: {extra[0]} is not an option of this script, and without the train "
+                 f"stage there is no train.py run to pass it to")
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:

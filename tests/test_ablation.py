@@ -154,7 +154,8 @@ def test_ablation_smoke(tmp_path, capsys):
 def test_bad_arguments_exit_with_one_line():
     for argv, word in [(["--variants=rope,alibi"], "alibi"), (["--seeds=1,x"], "seeds"),
                        (["--stages=train,plot"], "plot"), (["positional"], "positional"),
-                       (["--max_iters=10", "--eval_interval=20"], "eval_interval")]:
+                       (["--max_iters=10", "--eval_interval=20"], "eval_interval"),
+                       (["--stages=extrap", "--dtype=float32"], "dtype")]:
         with pytest.raises(SystemExit) as e:
             ablation.parse_args(argv)
         assert word in str(e.value) and str(e.value).startswith("error:")
