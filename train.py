@@ -143,7 +143,15 @@ if device_type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
     torch.backends.cudnn.allow_tf32 = True
 if ddp:
-    torch.distributed.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    # Rendezvous by hand to prefix the store's keys with the restart count: after a
+    # `torchrun --max-restarts` restart, the agent's store still holds the dead workers'
+    # addresses, and gloo would sometimes connect to them (refused, or hung) instead of the
+    # new ones.
+    store, _, _ = next(torch.distributed.rendezvous("env://"))
+    store = torch.distributed.PrefixStore(
+        f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    torch.distributed.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                         store=store, rank=rank, world_size=world)
 
 
 def cpu_has_bf16():
@@ -160,10 +168,14 @@ def cpu_has_bf16():
 if dtype == "auto":
     if device_type == "cuda":
         dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    elif device_type == "cpu":
-        dtype = "bfloat16" if cpu_has_bf16() else "float32"
     else:
+        # CPU: float32 even where the CPU has native bf16. Measured here (AVX512-BF16, 2 cores)
+        # on config/small.py's model, a bf16-autocast step took 1.5x LONGER than float32:
+        # at this width the casts and bf16 elementwise ops cost more than the faster matmuls
+        # save. Ask for --dtype=bfloat16 explicitly for wide models (see bench/train.py).
         dtype = "float32"
+if dtype == "bfloat16" and device_type == "cpu" and not cpu_has_bf16():
+    print("warning: this CPU has no native bf16 matmul; bfloat16 will be emulated and slow")
 if dtype == "float16" and device_type != "cuda":
     fail("dtype=float16 needs CUDA (its GradScaler); use bfloat16 or float32")
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -190,8 +202,15 @@ if missing and dataset == "pystdlib" and not data_dir:
         torch.distributed.barrier()
     missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
 if missing:
+    base = dataset[:-len("_char")] if dataset.endswith("_char") else None
+    if os.path.exists(os.path.join(here, "data", dataset, "prepare.py")):
+        cmd = f"python data/{dataset}/prepare.py"
+    elif base and os.path.exists(os.path.join(here, "data", base, "prepare.py")):
+        cmd = f"python data/{base}/prepare.py --char"  # the character-level variant
+    else:
+        cmd = f"python data/text/prepare.py --input YOUR_FILES --out_dir data/{dataset}"
     fail(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); build it with: "
-         f"python data/{dataset}/prepare.py")
+         f"{cmd}")
 with open(os.path.join(ddir, "meta.json")) as f:
     meta = json.load(f)
 data_dtype = np.dtype(meta["dtype"])
@@ -302,10 +321,8 @@ resumed = init_from == "resume"
 model = torch.compile(raw_model) if compile else raw_model
 eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
 if ddp:
-    # broadcast_buffers=False: the only buffers are the RoPE tables, the same on every rank
     model = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[local_rank] if device_type == "cuda" else None,
-        broadcast_buffers=False)
+        model, device_ids=[local_rank] if device_type == "cuda" else None)
 
 
 def get_lr(it):
@@ -466,7 +483,8 @@ while iter_num < max_iters:
             with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
-            loss = loss / gradient_accumulation_steps  # DDP averages over ranks: 1/G overall
+            # mean over this rank's micro-steps; DDP then averages over the N ranks: 1/G overall
+            loss = loss / local_steps
             if scaler is not None:
                 scaler.scale(loss).backward()
             else:
@@ -476,6 +494,7 @@ while iter_num < max_iters:
     if ddp:
         torch.distributed.all_reduce(flags)
     if flags[0] > 0:
+        bar.close()
         fail(f"non-finite loss at iteration {iter_num}; stopping without saving "
              f"(the last good checkpoint, if any, is {ckpt_path})")
     if grad_clip > 0:

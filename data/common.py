@@ -72,9 +72,10 @@ def read_utf8(path, undecodable):
 
 
 def find_files(paths, extensions=None):
-    """Expand files and folders (recursively, hidden entries left out) into a sorted list of
-    (name, path); the name is the path relative to the folder given, with '/' separators, so
-    the order and the names do not depend on the machine."""
+    """Expand files and folders (recursively; hidden entries and __pycache__ left out) into
+    (name, path) pairs in a fixed order: the paths as given, each folder walked with sorted
+    names. A name is the path relative to the folder given, with '/' separators, so the order
+    and the names do not depend on the machine."""
     found = []
     for given in paths:
         if not os.path.exists(given):
@@ -84,7 +85,7 @@ def find_files(paths, extensions=None):
             continue
         root_name = os.path.basename(os.path.normpath(given))
         for root, dirs, files in os.walk(given):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
             for fn in sorted(files):
                 if fn.startswith(".") or (extensions and not fn.endswith(tuple(extensions))):
                     continue
@@ -180,6 +181,11 @@ def train_tokenizer(lines, vocab_size, model_type, threads):
                                        num_threads=threads, minloglevel=2, **settings)
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if m:
+            raise PrepareError(f"vocab_size {m.group(1)} is too small for this corpus: its "
+                               f"characters and the special and byte pieces need {m.group(2)}; "
+                               f"pass a larger --vocab_size")
         m = re.search(r"value <= (\d+)", msg)
         if "Vocabulary size" in msg:
             limit = f" (at most {m.group(1)} here)" if m else ""
@@ -206,6 +212,10 @@ def make_out_dir(out_dir):
     created = not os.path.isdir(out_dir) and not os.path.exists(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
+        # Temp files of an earlier run that was killed outright (SIGKILL) are of no use.
+        for fn in os.listdir(out_dir):
+            if any(fn.startswith(f".{out}.tmp.") for out in OUTPUTS):
+                os.remove(os.path.join(out_dir, fn))
         probe = os.path.join(out_dir, f".write-probe.{os.getpid()}")
         with open(probe, "wb"):
             pass
@@ -232,20 +242,23 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
         raise PrepareError(f"model_type must be bpe, unigram or char, not {model_type!r}")
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
-    if model_type != "char" and vocab_size < 300:
+    if vocab_size and vocab_size < 261:
         raise PrepareError(f"vocab_size {vocab_size} is too small: byte fallback alone takes "
-                           f"259 ids (256 bytes, unk, bos, eos)")
+                           f"260 ids (256 bytes, unk, bos, eos, newline)")
     if min_val_tokens < 1:
         raise PrepareError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
 
     # Pass 1: sizes and content hash, in corpus order. Empty documents are dropped here.
     h = hashlib.sha256()
-    kept, sizes = [], []
+    kept, sizes, with_marker = [], [], []
     bar = tqdm(docs, desc="reading", unit="doc")
     for doc_name, load in bar:
-        data = load().encode("utf-8")
-        if not data.strip():
+        text = load()
+        if not text.strip():
             continue
+        if "\u2581" in text:
+            with_marker.append(doc_name)
+        data = text.encode("utf-8")
         h.update(doc_name.encode("utf-8") + b"\0" + data + b"\0")
         kept.append((doc_name, load))
         sizes.append(len(data))
@@ -253,8 +266,14 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
     if not kept:
         raise PrepareError(f"empty corpus: no text found in {source}")
     if len(kept) < 2:
-        raise PrepareError(f"the corpus has a single document ({kept[0][0]}); a train/val split "
-                           f"needs at least two (separate paragraphs by a blank line, or add files)")
+        raise PrepareError(f"the corpus has a single document ({kept[0][0]}); a train/val "
+                           f"split needs at least two (separate paragraphs by a blank line, "
+                           f"or add files)")
+    if with_marker:
+        # sentencepiece writes spaces as U+2581 internally, so the character itself decodes
+        # back as a space: the only input that does not round-trip. Say so instead of hiding it.
+        log(f"warning: {len(with_marker)} documents contain U+2581 (\u2581), which decodes as a "
+            f"space, e.g. {with_marker[0]}")
     log(f"{name}: {len(kept)} documents, {total_bytes / 1e6:.1f} MB"
         + (f" ({len(skipped)} undecodable files skipped)" if skipped else ""))
 
@@ -287,9 +306,10 @@ def prepare(out_dir, name, docs, source, vocab_size=4096, model_type="bpe", val_
                     break
                 if len(val_docs) == len(kept) - 1:
                     raise PrepareError(
-                        f"corpus too small: the validation split needs {min_val_tokens} tokens "
-                        f"(min_val_tokens) but only {val_tokens} fit while leaving one training "
-                        f"document; add text or lower min_val_tokens")
+                        f"corpus too small: the validation split needs val_fraction="
+                        f"{val_fraction} of the bytes and min_val_tokens={min_val_tokens} "
+                        f"tokens, but all documents but one give {val_tokens} tokens; add text "
+                        f"or lower min_val_tokens")
                 ids = sp.encode(kept[i][1]())
                 ids.append(EOS_ID)
                 np.asarray(ids, dtype=dtype).tofile(f)

@@ -33,7 +33,8 @@ def download(path, timeout):
     except (OSError, ValueError) as e:  # URLError, timeouts and HTTP errors are OSErrors
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise common.PrepareError(f"could not download tiny Shakespeare ({getattr(e, 'reason', e)}); "
+        reason = getattr(e, "reason", e)
+        raise common.PrepareError(f"could not download tiny Shakespeare ({reason}); "
                                   f"pass --input PATH with a local copy of it")
 
 

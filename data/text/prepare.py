@@ -2,7 +2,8 @@
 
     python data/text/prepare.py --input notes/ book.txt --out_dir data/mytext --vocab_size 8000
 
-A document is a file (folders are read recursively, in sorted order, hidden entries left out).
+A document is a file (folders are read recursively in sorted order; hidden entries and
+__pycache__ are left out).
 A corpus of a single file is split into documents at blank lines (paragraphs), so it still
 gets a document-level train/val split.
 """

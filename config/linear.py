@@ -1,0 +1,26 @@
+# config/small.py with linear attention (RoFormer eq. 19) in place of softmax; everything
+# else is the same run, so the two log.jsonl files compare directly:
+#   python train.py config/linear.py
+out_dir = "out-linear"
+dataset = "pystdlib"
+eval_interval = 50
+eval_iters = 8
+
+batch_size = 12
+block_size = 128
+n_layer = 4
+n_head = 4
+n_embd = 192
+dropout = 0.0
+attention = "linear"
+feature_map = "elu"   # phi(x) = elu(x) + 1, non-negative so the denominator stays positive
+linear_chunk = 64
+linear_norm = False   # True: RMS-normalise each head's output (eq. 19's weights do not sum to 1)
+
+learning_rate = 2e-3
+max_iters = 300
+lr_decay_iters = 300
+warmup_iters = 30
+min_lr = 2e-4
+weight_decay = 0.1
+compile = False

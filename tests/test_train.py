@@ -1,0 +1,252 @@
+"""train.py end to end, in subprocesses, on tiny data made here. The references are other
+runs: an unbroken run for resume and restart, one process for DDP, the first checkpoint for
+a failing run, the files themselves (sha256) for the tokenizer identity."""
+import glob
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train.py")
+V = 64
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=2", "--compile=False", "--warmup_iters=2", "--lr_decay_iters=40",
+        "--learning_rate=3e-3", "--min_lr=3e-4"]
+
+
+def make_data(d):
+    """A learnable stream: counting mod V with 10% noise tokens, so the loss can fall well
+    below ln(V)."""
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20000), ("val", 4000)):
+        base = np.arange(n) % V
+        noisy = np.where(rng.random(n) < 0.1, rng.integers(0, V, n), base)
+        noisy.astype(np.uint16).tofile(os.path.join(d, f"{split}.bin"))
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"name": "tiny", "vocab_size": V, "dtype": "uint16", "eos_id": 0,
+                   "bos_id": 1}, f)
+    return d
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_data(str(tmp_path_factory.mktemp("data")))
+
+
+def env(**extra):
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e.pop("RANK", None)
+    e.update(extra)
+    return e
+
+
+def train(*args, check=True, **extra):
+    r = subprocess.run([sys.executable, TRAIN, *args], capture_output=True, text=True,
+                       cwd=ROOT, env=env(**extra))
+    if check:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def torchrun(nproc, *args, restarts=0, **extra):
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", TRAIN, *args],
+                       capture_output=True, text=True, cwd=ROOT, env=env(**extra))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r
+
+
+def load(out):
+    return torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=True)
+
+
+def log(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, f"--attention={attention}",
+          "--max_iters=30", "--eval_interval=10")
+    rows = log(out)
+    assert [r["iter"] for r in rows] == [0, 10, 20, 30]
+    assert set(rows[0]) == {"iter", "train_loss", "val_loss", "lr", "tokens", "time_s"}
+    assert rows[-1]["tokens"] == 30 * 4 * 32
+    assert abs(rows[0]["val_loss"] - np.log(V)) < 0.3     # starts near uniform
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.7  # and clearly learns
+    ck = load(out)
+    assert ck["iter_num"] == 30 and ck["best_val_loss"] == min(r["val_loss"] for r in rows)
+    assert ck["model_args"]["attention"] == attention and ck["model_args"]["vocab_size"] == V
+    assert ck["config"]["max_iters"] == 30
+    assert ck["tokenizer"]["sha256"] is None and ck["tokenizer"]["vocab_size"] == V
+    assert not any(k.startswith("_orig_mod") for k in ck["model"])
+    assert {"torch", "numpy", "python"} <= set(ck["rng"]) and ck["scaler"] is None
+    assert not os.path.exists(os.path.join(out, "ckpt.pt.tmp"))
+
+
+def test_tokenizer_identity_is_the_file_hash(tmp_path):
+    d = make_data(str(tmp_path / "data"))
+    blob = os.urandom(1000)
+    with open(os.path.join(d, "tokenizer.model"), "wb") as f:
+        f.write(blob)
+    out = str(tmp_path / "out")
+    train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=1")
+    tok = load(out)["tokenizer"]
+    assert tok["sha256"] == hashlib.sha256(blob).hexdigest()
+    assert tok["path"] == os.path.abspath(os.path.join(d, "tokenizer.model"))
+    assert tok["data_dir"] == d and tok["eos_id"] == 0 and tok["bos_id"] == 1
+
+
+def test_resume_is_exact(data, tmp_path):
+    """12 iterations straight (evaluating every 3) == 6, stop, resume, 6 more (evaluating
+    rarely): same weights and optimizer state. Dropout is on, so its RNG must resume too, and
+    the different eval schedules show evaluation never touches the training stream."""
+    common = [f"--data_dir={data}", *TINY, "--dropout=0.1", "--dtype=float32"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(*common, f"--out_dir={a}", "--max_iters=12", "--eval_interval=3")
+    train(*common, f"--out_dir={b}", "--max_iters=6", "--eval_interval=100")
+    assert load(b)["iter_num"] == 6
+    train(*common, f"--out_dir={b}", "--max_iters=12", "--eval_interval=100",
+          "--init_from=resume")
+    ka, kb = load(a), load(b)
+    assert kb["iter_num"] == 12
+    assert max_diff(ka["model"], kb["model"]) < 1e-6
+    sa, sb = ka["optimizer"]["state"], kb["optimizer"]["state"]
+    assert max(max_diff(sa[i], sb[i]) for i in sa) < 1e-6
+    # the final evaluation uses the same fixed batches in both runs
+    assert abs(log(a)[-1]["val_loss"] - log(b)[-1]["val_loss"]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("one"))
+    train(f"--data_dir={data}", f"--out_dir={out}", *DDP_ARGS)
+    return out
+
+
+DDP_ARGS = [*TINY, "--dropout=0.1", "--dtype=float32", "--gradient_accumulation_steps=2",
+            "--max_iters=8", "--eval_interval=4"]
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_match_one_process(data, one_process, tmp_path):
+    """torchrun with 2 gloo ranks and accumulation 2 == one process with accumulation 2: each
+    rank runs global micro-step rank*1 + 0, and the gradient average is the same 1/G mean.
+    (Not bit-equal: torchrun runs one thread per worker and all-reduce sums in another order.)"""
+    out = str(tmp_path / "ddp")
+    torchrun(2, f"--data_dir={data}", f"--out_dir={out}", *DDP_ARGS)
+    ref, got = log(one_process), log(out)
+    assert [r["iter"] for r in got] == [r["iter"] for r in ref] == [0, 4, 8]
+    for r, g in zip(ref, got):
+        assert abs(r["val_loss"] - g["val_loss"]) < 1e-5
+        assert abs(r["train_loss"] - g["train_loss"]) < 1e-5
+        assert r["tokens"] == g["tokens"]
+    assert max_diff(load(one_process)["model"], load(out)["model"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes(data, one_process, tmp_path):
+    """Rank 1 dies hard at iteration 5 (after the checkpoint at 4); torchrun --max-restarts=1
+    restarts both ranks, they resume from the checkpoint and end where an unbroken run ends."""
+    out = str(tmp_path / "restart")
+    r = torchrun(2, f"--data_dir={data}", f"--out_dir={out}", *DDP_ARGS, restarts=1,
+                 ROFORMER_CRASH_AT="5:1")
+    assert "resuming from" in r.stdout + r.stderr
+    assert load(out)["iter_num"] == 8
+    assert [row["iter"] for row in log(out)] == [0, 4, 8]
+    assert max_diff(load(one_process)["model"], load(out)["model"]) < 1e-5
+
+
+def test_sigterm_saves_and_exits_zero(data, tmp_path):
+    out = str(tmp_path / "out")
+    p = subprocess.Popen([sys.executable, TRAIN, f"--data_dir={data}", f"--out_dir={out}",
+                          *TINY, "--max_iters=100000", "--eval_interval=100000"],
+                         cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    logf = os.path.join(out, "log.jsonl")
+    deadline = time.time() + 60
+    while time.time() < deadline and not (os.path.exists(logf) and os.path.getsize(logf)):
+        time.sleep(0.2)  # the first evaluation is logged after the handlers are installed
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err[-2000:]
+    ck = load(out)
+    assert 0 < ck["iter_num"] < 100000
+    assert log(out)[-1]["iter"] == ck["iter_num"]  # the final state was evaluated too
+
+
+def test_nan_loss_keeps_last_checkpoint(data, tmp_path):
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32"]
+    train(*common, "--max_iters=4")
+    with open(os.path.join(out, "ckpt.pt"), "rb") as f:
+        before = hashlib.sha256(f.read()).hexdigest()
+    # a learning rate of 1e30 blows the weights up on the first step, the loss on the next
+    r = train(*common, "--max_iters=20", "--init_from=resume", "--learning_rate=1e30",
+              "--warmup_iters=0", "--eval_interval=1000", check=False)
+    assert r.returncode != 0
+    assert "non-finite loss" in r.stderr.strip().splitlines()[-1]
+    with open(os.path.join(out, "ckpt.pt"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == before
+
+
+@pytest.mark.slow
+def test_compile_trains_on_cpu(data, tmp_path):
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--compile=True", "--max_iters=20",
+          "--eval_interval=20", "--dtype=float32")
+    rows = log(out)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3
+    assert not any(k.startswith("_orig_mod") for k in load(out)["model"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n_layers=2"], "unknown config key 'n_layers' (did you mean 'n_layer'?)"),
+    (["--batch_size=big"], "batch_size"),
+    (["--dataset=nosuchcorpus"], "python data/text/prepare.py --input YOUR_FILES "
+                                 "--out_dir data/nosuchcorpus"),
+    (["--dataset=shakespeare_char"], "python data/shakespeare/prepare.py --char"),
+    (["--n_embd=30", "--n_head=4", "DATA"], "divisible"),
+    (["--init_from=resume", "DATA"], "does not exist"),
+])
+def test_config_errors_are_one_line(args, message, data, tmp_path):
+    args = [f"--data_dir={data}" if a == "DATA" else a for a in args]
+    r = train(f"--out_dir={tmp_path}", *args, check=False)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_wandb_offline_records_the_run(data, tmp_path):
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=4", "--eval_interval=2",
+          "--wandb_log=True", "--wandb_run_name=tiny", WANDB_MODE="offline",
+          WANDB_SILENT="true", WANDB_DIR=out)
+    runs = glob.glob(os.path.join(out, "wandb", "offline-run-*"))
+    assert len(runs) == 1
+    records = glob.glob(os.path.join(runs[0], "*.wandb"))
+    assert len(records) == 1
+    with open(records[0], "rb") as f:
+        blob = f.read()
+    # wandb's run file stores each history item as its key followed by the value as JSON
+    # text: every evaluation of log.jsonl must be in it
+    for row in log(out):
+        assert json.dumps(row["val_loss"]).encode() in blob
+    assert blob.count(b"val/loss") >= len(log(out))
