@@ -6,10 +6,12 @@ variables), then --key=value overrides, applied in that order.
     python train.py config/small.py --batch_size=32 --compile=False
 
 Every mistake stops with one line that names the key: an unknown key (with the nearest valid
-one), a value of the wrong type, a missing config file.
+one), a value of the wrong type, a missing config file. Also here: file_sha256, the
+tokenizer identity that train.py records and sample.py checks.
 """
 import ast
 import difflib
+import hashlib
 import os
 
 SCALARS = (bool, int, float, str, type(None))
@@ -80,3 +82,13 @@ def configure(defaults, argv):
             continue
         config[key] = _coerce(key, _parse(key, text, defaults[key]), defaults[key])
     return config
+
+
+def file_sha256(path):
+    """The identity of a tokenizer file: train.py records it in the checkpoint, sample.py
+    checks it, so a retrained tokenizer never silently turns ids into the wrong text."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

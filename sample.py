@@ -10,14 +10,13 @@ Text goes to stdout, everything else (checkpoint summary, speed) to stderr, so
 `python sample.py ... > out.txt` keeps only the text. Same override style as train.py:
 module-level defaults below, then config files, then --key=value.
 """
-import hashlib
 import os
 import sys
 import time
 
 import torch
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, file_sha256
 from model import RoFormer, RoFormerConfig
 
 # -----------------------------------------------------------------------------------------
@@ -71,14 +70,6 @@ class TextStream:
         return rest
 
 
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_tokenizer(info, override):
     """The checkpoint's sentencepiece model: the explicit --tokenizer path, else the recorded
     absolute path, else data/<dataset>/tokenizer.model next to this script. The first file
@@ -100,7 +91,7 @@ def load_tokenizer(info, override):
     mismatched = []
     for path in candidates:
         if path and os.path.isfile(path):
-            if sha256(path) == info["sha256"]:
+            if file_sha256(path) == info["sha256"]:
                 return spm.SentencePieceProcessor(model_file=path)
             mismatched.append(path)
     if mismatched:

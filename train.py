@@ -18,7 +18,6 @@ disturbs training.
 """
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import time
 import numpy as np
 import torch
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, file_sha256
 from model import RoFormer, RoFormerConfig
 
 # ----------------------------------------------------------------------------------------
@@ -238,14 +237,6 @@ def get_batch(split, rng, bs, T):
         return (x.pin_memory().to(device, non_blocking=True),
                 y.pin_memory().to(device, non_blocking=True))
     return x.to(device), y.to(device)
-
-
-def file_sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 tok_path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))

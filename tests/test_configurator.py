@@ -1,0 +1,55 @@
+"""configurator.configure: the precedence defaults < config files < --key=value, type checks
+against the defaults, and one-line errors that name the key."""
+import hashlib
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configurator import ConfigError, configure, file_sha256  # noqa: E402
+
+DEFAULTS = {"batch_size": 16, "learning_rate": 6e-4, "compile": True, "device": "auto",
+            "out_dir": "out"}
+
+
+def test_files_then_arguments_override_in_order(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import math\nbatch_size = 8\nlearning_rate = 1e-3\n_private = object()\n")
+    b.write_text("batch_size = 4\ndef helper():\n    pass\n")
+    cfg = configure(DEFAULTS, [str(a), str(b), "--learning_rate=2", "--compile=false",
+                               "--device=cuda:1"])
+    assert cfg == {"batch_size": 4, "learning_rate": 2.0, "compile": False, "device": "cuda:1",
+                   "out_dir": "out"}
+    assert type(cfg["learning_rate"]) is float  # an int is accepted where a float is due
+    assert DEFAULTS["batch_size"] == 16  # the defaults are not mutated
+    assert configure(DEFAULTS, ["--compile"])["compile"] is True  # a bare flag sets a bool
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--batch_sise=3"], ["batch_sise", "did you mean 'batch_size'"]),
+    (["--batch_size=3.5"], ["batch_size", "int"]),
+    (["--compile=2"], ["compile", "bool"]),
+    (["--learning_rate=fast"], ["learning_rate", "float"]),
+    (["--batch_size"], ["batch_size", "needs a value"]),
+    (["no/such/config.py"], ["config file not found"]),
+])
+def test_mistakes_are_one_line_errors_naming_the_key(argv, words):
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, argv)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_unknown_key_in_a_config_file_names_the_file(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("batchsize = 3\n")
+    with pytest.raises(ConfigError, match=r"c\.py: unknown config key 'batchsize'.*batch_size"):
+        configure(DEFAULTS, [str(f)])
+
+
+def test_file_sha256_matches_hashlib(tmp_path):
+    f = tmp_path / "blob"
+    data = os.urandom(3 << 20)  # spans several read blocks
+    f.write_bytes(data)
+    assert file_sha256(str(f)) == hashlib.sha256(data).hexdigest()
