@@ -7,7 +7,8 @@ across sequence lengths, and what RoPE costs over no position encoding.
 
 Time is the median of --reps runs after a warm-up. Peak memory is measured in a fresh
 process per row (peak RSS minus the RSS after setup), so rows do not see each other's
-allocations. Ratios from one run are what to quote: the machine is shared and noisy.
+allocations. The RoPE/none columns time the same layer with and without RoPE alternately in
+one process, so load changes hit both alike. Ratios from one run are what to quote: the machine is shared and noisy.
 """
 import argparse
 import json
@@ -24,24 +25,31 @@ from model import Attention, RoFormerConfig, rope_table  # noqa: E402
 
 
 def run_one(attention, pos, N, n_embd, n_head, reps, chunk):
-    """Time and peak memory of fwd+bwd of one layer; runs inside its own process."""
+    """Time and peak memory of fwd+bwd of one layer; runs inside its own process. With
+    pos="both", the same layer runs with RoPE and without, alternating rep by rep, so the
+    ratio of the two is not at the mercy of load changes between processes."""
     torch.manual_seed(0)
     cfg = RoFormerConfig(vocab_size=8, block_size=N, n_layer=1, n_head=n_head, n_embd=n_embd,
-                         attention=attention, pos_encoding=pos, linear_chunk=chunk)
+                         attention=attention, pos_encoding="rope" if pos == "both" else pos,
+                         linear_chunk=chunk)
     layer = Attention(cfg)
     x = torch.randn(1, N, n_embd, requires_grad=True)
-    rope = rope_table(torch.arange(N), n_embd // n_head) if pos == "rope" else None
+    table = rope_table(torch.arange(N), n_embd // n_head)
+    kinds = {"rope": table, "none": None} if pos == "both" else {pos: table if pos == "rope" else None}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
+    times = {k: [] for k in kinds}
     for i in range(reps + 1):
-        t0 = time.perf_counter()
-        layer(x, rope).sum().backward()
-        times.append(time.perf_counter() - t0)
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
+        for k, rope in kinds.items():
+            t0 = time.perf_counter()
+            layer(x, rope).sum().backward()
+            times[k].append(time.perf_counter() - t0)
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base  # KiB on Linux
-    times = sorted(times[1:])
-    return {"ms": 1000 * times[len(times) // 2], "peak_mib": peak / 1024}
+    med = {k: sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
+    if pos == "both":
+        return {"rope_over_none": med["rope"] / med["none"]}
+    return {"ms": 1000 * med[pos], "peak_mib": peak / 1024}
 
 
 def main():
@@ -73,13 +81,13 @@ def main():
           "|------------------:|-----------------:|")
     rows = {}
     for N in Ns:
-        r = {(k, p): measure(k, p, N) for k in ("softmax", "linear") for p in ("rope", "none")}
+        r = {(k, p): measure(k, p, N) for k in ("softmax", "linear") for p in ("rope", "both")}
         rows[N] = r
         s, lin = r[("softmax", "rope")], r[("linear", "rope")]
         print(f"| {N:5d} | {s['ms']:10.1f} | {lin['ms']:9.1f} | {lin['ms'] / s['ms']:14.2f} "
               f"| {s['peak_mib']:11.1f} | {lin['peak_mib']:10.1f} "
-              f"| {s['ms'] / r[('softmax', 'none')]['ms']:17.3f} "
-              f"| {lin['ms'] / r[('linear', 'none')]['ms']:16.3f} |", flush=True)
+              f"| {r[('softmax', 'both')]['rope_over_none']:17.3f} "
+              f"| {r[('linear', 'both')]['rope_over_none']:16.3f} |", flush=True)
     if len(Ns) > 1:
         lo, hi = Ns[0], Ns[-1]
         for k in ("softmax", "linear"):
