@@ -313,8 +313,11 @@ resumed = init_from == "resume"
 model = torch.compile(raw_model) if compile else raw_model
 eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
 if ddp:
+    # broadcast_buffers=False: the only buffers are the RoPE tables, built identically on every
+    # rank, so re-sending them from rank 0 before every forward would be wasted communication.
     model = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[local_rank] if device_type == "cuda" else None)
+        model, device_ids=[local_rank] if device_type == "cuda" else None,
+        broadcast_buffers=False)
 
 
 def get_lr(it):
