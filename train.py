@@ -222,21 +222,24 @@ def tokens(split):
 
 
 for _s in ("train", "val"):
-    if len(tokens(_s)) < block_size + 2:
-        fail(f"{ddir}/{_s}.bin has {len(tokens(_s))} tokens, fewer than block_size+2 = "
-             f"{block_size + 2}; lower block_size or use more data")
+    if len(tokens(_s)) < block_size + 1:
+        fail(f"{ddir}/{_s}.bin has {len(tokens(_s))} tokens, fewer than block_size+1 = "
+             f"{block_size + 1}; lower block_size or use more data")
 
 
 def get_batch(split, rng, bs, T):
-    """bs random windows of T+1 tokens, picked by the numpy Generator `rng`."""
+    """bs random windows of T+1 tokens, picked by the numpy Generator `rng`: inputs are the
+    first T tokens of a window, targets the last T."""
     data = tokens(split)
-    ix = rng.integers(0, len(data) - T - 1, size=bs)
+    ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     w = torch.from_numpy(data[ix[:, None] + np.arange(T + 1)].astype(np.int64))
-    x, y = w[:, :-1], w[:, 1:]
     if device_type == "cuda":
-        return (x.pin_memory().to(device, non_blocking=True),
-                y.pin_memory().to(device, non_blocking=True))
-    return x.to(device), y.to(device)
+        # Pin and send the whole contiguous window, then slice on the device: pinning a
+        # strided view (w[:, :-1]) would go through a pageable temporary copy first.
+        w = w.pin_memory().to(device, non_blocking=True)
+    else:
+        w = w.to(device)
+    return w[:, :-1], w[:, 1:]
 
 
 tok_path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))

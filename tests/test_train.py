@@ -100,6 +100,19 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     assert not os.path.exists(os.path.join(out, "ckpt.pt.tmp"))
 
 
+def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
+    """A window is T+1 tokens, so T+1 tokens hold exactly one, and that window is also the
+    last one. The draw used to stop one window short (rng.integers(0, len-T-1) never returns
+    the last start) and the check wanted T+2 tokens, so data/*/prepare.py's minimum
+    validation split (1025 tokens) was refused at block_size 1024."""
+    d = make_data(str(tmp_path / "data"))
+    tok = np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)
+    tok[:33].tofile(os.path.join(d, "val.bin"))  # block_size 32 + 1
+    out = str(tmp_path / "out")
+    train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=2", "--eval_interval=1")
+    assert [r["iter"] for r in log(out)] == [0, 1, 2]
+
+
 def test_tokenizer_identity_is_the_file_hash(tmp_path):
     d = make_data(str(tmp_path / "data"))
     blob = os.urandom(1000)
