@@ -29,7 +29,10 @@ def _unknown(key, known):
 
 def _coerce(key, value, default):
     """Check `value` against the type of the default; ints are accepted where floats are."""
-    if default is None or value is None:
+    if not isinstance(value, SCALARS):  # a tuple or list would otherwise pass unnoticed
+        raise ConfigError(f"config key '{key}' takes a single {type(default).__name__} value, "
+                          f"got {value!r} ({type(value).__name__})")
+    if default is None:
         return value
     want = type(default)
     if want is float and type(value) is int:
@@ -41,13 +44,17 @@ def _coerce(key, value, default):
 
 
 def _parse(key, text, default):
-    """The text after '=' as a Python literal; strings may be given bare (--device=cpu)."""
+    """The text after '='. For a string key it is the value itself, exactly as typed:
+    a quoted docstring keeps its quotes, --start=42 and --start=None are text. Otherwise it
+    is read as a Python literal (true/false are accepted for booleans)."""
+    if isinstance(default, str):
+        return text
     if isinstance(default, bool) and text.lower() in ("true", "false"):
         return text.lower() == "true"
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        if default is None or isinstance(default, str):
+        if default is None:
             return text
         raise ConfigError(f"config key '{key}': cannot read {text!r} as a "
                           f"{type(default).__name__}") from None
@@ -66,11 +73,14 @@ def configure(defaults, argv):
             with open(arg) as f:
                 exec(compile(f.read(), arg, "exec"), scope)
             for key, value in scope.items():
-                if key.startswith("_") or not isinstance(value, SCALARS):
+                if key.startswith("_") or (key not in defaults and not isinstance(value, SCALARS)):
                     continue  # __builtins__, imported modules, helper functions
                 if key not in defaults:
                     raise ConfigError(f"{arg}: {_unknown(key, known)}")
-                config[key] = _coerce(key, value, defaults[key])
+                try:
+                    config[key] = _coerce(key, value, defaults[key])
+                except ConfigError as e:
+                    raise ConfigError(f"{arg}: {e}") from None
             continue
         key, eq, text = arg[2:].partition("=")
         if key not in defaults:

@@ -53,3 +53,34 @@ def test_file_sha256_matches_hashlib(tmp_path):
     data = os.urandom(3 << 20)  # spans several read blocks
     f.write_bytes(data)
     assert file_sha256(str(f)) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("text", ['"""Doc"""', "42", "None", "'quoted'", "[1, 2]", "a=b", ""])
+def test_a_string_key_keeps_the_text_exactly_as_typed(text):
+    """A prompt is text, not Python: reading it as a literal lost the quotes of '\"\"\"Doc\"\"\"',
+    made 42 an int (a type error) and None a crash further on."""
+    assert configure({"start": "\n"}, [f"--start={text}"])["start"] == text
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--batch_size=None"], ["batch_size", "int"]),
+    (["--learning_rate=(1, 2)"], ["learning_rate", "single float"]),
+    (["--compile=[True]"], ["compile", "single bool"]),
+])
+def test_none_or_a_sequence_for_a_number_is_an_error(argv, words):
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, argv)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("line", ["batch_size = (8, 16)", "device = ['cpu']",
+                                  "learning_rate = {'a': 1}"])
+def test_a_sequence_for_a_known_key_in_a_config_file_is_an_error(tmp_path, line):
+    """Non-scalar values used to be skipped silently (as if they were helper objects), so the
+    run went ahead with the default."""
+    f = tmp_path / "c.py"
+    f.write_text(line + "\nhelpers = [1, 2]\n")  # an unknown helper list is still fine
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(f)])
+    msg = str(e.value)
+    assert "\n" not in msg and "c.py" in msg and line.split()[0] in msg, msg
