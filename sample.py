@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from configurator import ConfigError, configure, file_sha256
+from configurator import ConfigError, configure, cuda_autocast_dtype, file_sha256
 from model import RoFormer, RoFormerConfig
 
 # -----------------------------------------------------------------------------------------
@@ -124,8 +124,7 @@ def main(argv):
     dev = torch.device(cfg["device"])
     if cfg["dtype"] == "auto":
         # bf16 weights on CPU: measured in bench/decode.py, see the README
-        cfg["dtype"] = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") \
-            if dev.type == "cuda" else "float32"
+        cfg["dtype"] = cuda_autocast_dtype() if dev.type == "cuda" else "float32"
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         sys.exit(f"error: dtype must be auto, float32, bfloat16 or float16, got {cfg['dtype']!r}")
     start_text = cfg["start"]
