@@ -121,6 +121,26 @@ def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
     assert [r["iter"] for r in log(out)] == [0, 1, 2]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA device")
+def test_batches_pin_the_contiguous_window(data, tmp_path):
+    """Pinning a strided view (w[:, :-1]) copies it through a pageable temporary first, so
+    the transfer is neither pinned nor asynchronous. train.py must pin the whole contiguous
+    window and slice it on the device. A CPU cannot pin, hence the skip; on a GPU this fails
+    for the old code, which pinned x and y separately."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch\n"
+        "_pin = torch.Tensor.pin_memory\n"
+        "def pin(self, *a, **k):\n"
+        "    if not self.is_contiguous():\n"
+        "        raise SystemExit('error: pinned a strided view')\n"
+        "    return _pin(self, *a, **k)\n"
+        "torch.Tensor.pin_memory = pin\n")
+    train(f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY, "--device=cuda",
+          "--max_iters=2", PYTHONPATH=str(site))
+
+
 def test_tokenizer_identity_is_the_file_hash(tmp_path):
     d = make_data(str(tmp_path / "data"))
     blob = os.urandom(1000)
