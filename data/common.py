@@ -237,13 +237,14 @@ def _paragraphs(texts):
             carry = parts[-1]
             done = parts[:-1:2]
         for p in done:
-            if p and not p.isspace():
-                yield p, first, True
-            elif not first:
-                yield "", False, True  # ends a paragraph that came in pieces
+            if not first or (p and not p.isspace()):
+                yield p, first, True  # (the last piece of a long one may be blank)
             first = True
-        while len(carry) > PIECE_CHARS:
-            i = cut_point(carry, PIECE_CHARS)
+        while len(carry) > PIECE_CHARS and not carry.isspace():
+            # Not at the last newline: if only blanks follow it, it may start a separator.
+            last_newline = carry.rfind("\n")
+            i = cut_point(carry, min(PIECE_CHARS, last_newline) if last_newline > 0
+                          else PIECE_CHARS)
             yield carry[:i], first, False
             carry, first = carry[i:], False
     if (carry and not carry.isspace()) or not first:
@@ -541,18 +542,19 @@ def split_tokens(path, val_path, dtype, total, budget, seed, newline_id, bar=Non
     EOS) to val_path, and compact the rest in place into the training split.
 
     Documents are visited in corpus order. After document i (ending at token e) validation
-    "owes" budget * e / total - V tokens, V being what it holds. It takes the whole document
-    when the debt is at least u_i times its length (u_i a seeded uniform number per
-    document: the picks are spread along the corpus and differ with the seed). Otherwise,
-    when the debt is above a tenth of the budget (a document large against the budget), it
-    takes the document's first `debt` tokens, cut after a newline; and whatever the debt,
-    it takes at least what the rest of the corpus could no longer supply, so the budget is
-    met exactly (only such a forced piece may end inside a line). A cut-off piece gets an
-    EOS of its own; the rest of the document stays in training. Returns
+    "owes" budget * e / total - V tokens, V being what it holds; it takes the document when
+    the debt is at least u_i times the document's length, u_i being a seeded uniform number
+    per document, so the picks are spread along the corpus and change with the seed. A
+    document too large for the remaining budget is cut after the last newline that fits
+    (its first part, with an EOS of its own, goes to validation, the rest stays in training).
+    Whatever the debt, a document gives at least what the rest of the corpus could no longer
+    supply, so the budget is met exactly however few and large the documents are; only such
+    a forced piece may have to end inside a line (when the one token still owed is its EOS,
+    it is an empty piece). Returns
     (train tokens, val tokens, train pieces, val pieces, documents cut)."""
     dtype = np.dtype(dtype)
     size = dtype.itemsize
-    rate, cut_min = budget / total, max(budget // 10, 1)
+    rate = budget / total
     eos_bytes = np.array([EOS_ID], dtype=dtype).tobytes()
     counts = {"val": 0, "train_docs": 0, "val_docs": 0, "cut": 0}
     fd = os.open(path, os.O_RDWR)
@@ -617,8 +619,7 @@ def split_tokens(path, val_path, dtype, total, budget, seed, newline_id, bar=Non
                     j = min(len(ends), i + 4096)
                     V = counts["val"]
                     owed = ends[i:j] * rate - V
-                    hit = ((owed >= lengths[i:j] * u[i:j]) | (owed > cut_min)
-                           | (budget - V > total - ends[i:j]))
+                    hit = (owed >= lengths[i:j] * u[i:j]) | (budget - V > total - ends[i:j])
                     k = i + int(np.argmax(hit)) if hit.any() else j
                     if k > i:
                         to_train(int(starts[i]), int(ends[k - 1]))
@@ -629,7 +630,7 @@ def split_tokens(path, val_path, dtype, total, budget, seed, newline_id, bar=Non
                     a, e, n = int(starts[k]), int(ends[k]), int(lengths[k])
                     owe = e * rate - V
                     lo = max(0, budget - V - (total - e))  # what only this document can give
-                    want = n if owe >= n * u[k] else int(owe) if owe > cut_min else 0
+                    want = n if owe >= n * u[k] else 0
                     want = min(max(want, lo), n, budget - V)
                     if want >= n:
                         to_val(a, e, False)

@@ -1,7 +1,10 @@
-"""data/: tokenizers round-trip, the .bin files hold exactly the encoded documents, the split
-is by document, runs are reproducible, and every user mistake is one line + non-zero exit with
-no output left behind. References are independent: each document encoded on its own with a
-freshly loaded tokenizer, a naive paragraph splitter, file contents read here."""
+"""data/: tokenizers round-trip, the .bin files hold exactly the encoded documents (each whole
+in one split, or cut once after a newline), the validation budget is met, runs are
+reproducible for any number of worker processes, every input format reads the same records,
+memory does not grow with the corpus, and every user mistake is one line + non-zero exit with
+no output left behind. References are independent: each document encoded whole on its own
+with a freshly loaded tokenizer, a naive paragraph splitter, records written here."""
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -82,6 +85,52 @@ def split_at_eos(ids, eos):
     return [ids[s:e].tolist() for s, e in zip(starts, ends)]
 
 
+def mem_sources(texts, name="mem"):
+    """Documents held in memory, as common.prepare takes them."""
+    texts = list(texts)
+    return [(name, "docs", lambda: texts)]
+
+
+def check_split(out, texts, meta, budget=None):
+    """The two .bin files against each document encoded whole with a fresh tokenizer: in
+    corpus order, every document is whole in val, whole in train, or a val prefix (+ its own
+    eos) and the train rest; only the last cut may end inside a line (the exact budget).
+    Returns the number of cut documents."""
+    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    dtype = np.dtype(meta["dtype"])
+    val = split_at_eos(np.fromfile(out / "val.bin", dtype=dtype), meta["eos_id"])
+    train = split_at_eos(np.fromfile(out / "train.bin", dtype=dtype), meta["eos_id"])
+    nl = sp.piece_to_id("\n")
+    vi = ti = cuts = mid_line = 0
+    for text in texts:
+        if not text.strip():
+            continue
+        ref = sp.encode(text)
+        piece = val[vi] if vi < len(val) else None
+        if (piece is not None and len(piece) < len(ref) and ref[:len(piece)] == piece
+                and ti < len(train) and train[ti] == ref[len(piece):]):
+            # A val prefix with its own eos (empty when one last token was owed), the rest
+            # of the document in train.
+            mid_line += not piece or piece[-1] != nl
+            vi, ti, cuts = vi + 1, ti + 1, cuts + 1
+        elif piece == ref:
+            vi += 1
+        else:
+            assert ti < len(train) and train[ti] == ref
+            ti += 1
+    assert (vi, ti) == (len(val), len(train)), "nothing else in the files"
+    assert mid_line <= 1
+    total = sum(len(v) + 1 for v in val) + sum(len(t) + 1 for t in train) - cuts
+    assert meta["split"]["tokens_before_split"] == total
+    if budget is None:
+        budget = max(round(meta["split"]["val_fraction"] * total), meta["split"]["min_val_tokens"])
+    assert meta["val_tokens"] == budget == sum(len(v) + 1 for v in val)
+    assert (meta["train_docs"], meta["val_docs"], meta["cut_documents"]) == (ti, vi, cuts)
+    for split in ("train", "val"):
+        assert os.path.getsize(out / f"{split}.bin") == meta[f"{split}_tokens"] * dtype.itemsize
+    return cuts
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
@@ -108,9 +157,9 @@ ROUND_TRIP = [
 @pytest.mark.parametrize("model_type", ["bpe", "unigram", "char"])
 def test_round_trip_and_byte_fallback(tmp_path, model_type):
     texts = make_corpus(tmp_path / "c")
-    docs = [(n, (lambda t=t: t)) for n, t in texts.items()]
     vocab = {"char": 0, "bpe": 400, "unigram": 320}[model_type]  # 0: one piece per character
-    common.prepare(str(tmp_path / "out"), "t", docs, "test", model_type=model_type,
+    common.prepare(str(tmp_path / "out"), "t", mem_sources(texts.values()), "test",
+                   model_type=model_type,
                    vocab_size=vocab, min_val_tokens=50, val_fraction=0.2, log=lambda *a: None)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
     for s in ROUND_TRIP:
@@ -132,8 +181,8 @@ def test_the_one_exception_u2581_decodes_as_space_and_is_reported(prepared, tmp_
     sp = spm.SentencePieceProcessor(model_file=str(root / "out" / "tokenizer.model"))
     assert sp.decode(sp.encode("a\u2581b")) == "a b"
     logged = []
-    docs = [(n, (lambda t=t: t)) for n, t in texts.items()] + [("odd", lambda: "x\u2581y " * 50)]
-    common.prepare(str(tmp_path / "o"), "t", docs, "test", vocab_size=400, min_val_tokens=50,
+    sources = mem_sources(texts.values()) + mem_sources(["x\u2581y " * 50], "odd")
+    common.prepare(str(tmp_path / "o"), "t", sources, "test", vocab_size=400, min_val_tokens=50,
                    val_fraction=0.2, log=logged.append)
     assert any("U+2581" in line and "odd" in line for line in logged)
 
@@ -157,26 +206,15 @@ def test_bins_hold_exactly_the_encoded_documents(prepared):
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
     assert meta["vocab_size"] == sp.get_piece_size()
     assert meta["dtype"] == "uint16" and meta["eos_id"] == sp.eos_id()
+    assert meta["newline_id"] == sp.piece_to_id("\n")
     with open(out / "tokenizer.model", "rb") as f:
         assert meta["tokenizer"]["sha256"] == hashlib.sha256(f.read()).hexdigest()
-
-    names = {f"mycorpus/{fn}": t for fn, t in texts.items()}
-    val_names = meta["val_documents"]
-    train_names = [n for n in sorted(names) if n not in val_names]
-    assert set(val_names) & set(train_names) == set()
-    assert set(val_names) | set(train_names) == set(names)
-    assert len(val_names) == meta["val_docs"] >= 1 and len(train_names) == meta["train_docs"] >= 1
-
-    for split, order in (("train", train_names), ("val", val_names)):
-        path = out / f"{split}.bin"
-        assert os.path.getsize(path) == meta[f"{split}_tokens"] * 2  # uint16: 2 bytes a token
-        ids = np.fromfile(path, dtype=np.uint16)
-        assert ids.max() < meta["vocab_size"]
-        got = split_at_eos(ids, meta["eos_id"])
-        assert got == [sp.encode(names[n]) for n in order]
-    assert meta["val_tokens"] >= meta["min_val_tokens"]
-    raw = sum(len(t.encode("utf-8")) for t in texts.values())
-    assert meta["source_bytes"] == raw
+    check_split(out, [texts[n] for n in sorted(texts)], meta)
+    assert meta["documents"] == len(texts)
+    assert meta["val_tokens"] >= meta["split"]["min_val_tokens"]
+    assert meta["source_bytes"] == sum(len(t.encode("utf-8")) for t in texts.values())
+    # meta.json stays small: counts and rules, no list of documents.
+    assert os.path.getsize(out / "meta.json") < 4096
 
 
 def test_dtype_follows_vocab_size():
@@ -211,8 +249,9 @@ def test_rerun_is_identical(prepared, tmp_path):
 def test_seed_changes_the_split_but_not_the_content(prepared, tmp_path):
     root, texts, meta = prepared
     m2 = prepare_folder(root / "mycorpus", tmp_path / "s", "--seed", "7")
-    assert m2["val_documents"] != meta["val_documents"]
+    assert (tmp_path / "s" / "val.bin").read_bytes() != (root / "out" / "val.bin").read_bytes()
     assert m2["source_sha256"] == meta["source_sha256"]
+    assert m2["val_tokens"] == meta["val_tokens"]  # the same budget, other documents
 
 
 def test_single_file_is_split_into_paragraphs(tmp_path):
@@ -245,12 +284,9 @@ def test_single_file_is_split_into_paragraphs(tmp_path):
     load_script("text").main(["--input", str(tmp_path / "one.txt"), "--out_dir", str(out),
                               "--vocab_size", "300", "--min_val_tokens", "200"])
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["train_docs"] + meta["val_docs"] == len(paras)
+    assert meta["documents"] == len(paras)
     assert meta["val_tokens"] >= 200  # the val split holds at least one block
-    sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
-    val = split_at_eos(np.fromfile(out / "val.bin", dtype=np.uint16), meta["eos_id"])
-    idx = [int(n.rsplit("#", 1)[1]) for n in meta["val_documents"]]
-    assert [sp.decode(v) for v in val] == [paras[i] for i in idx]
+    check_split(out, paras, meta)
 
 
 def test_char_model_is_one_token_per_character(tmp_path):
@@ -267,7 +303,7 @@ def test_char_model_is_one_token_per_character(tmp_path):
     assert meta["tokenizer"]["model_type"] == "char"
     # Each speech is its characters, then eos: tokens = characters + documents.
     chars = sum(len(s) for s in speeches)
-    assert meta["train_tokens"] + meta["val_tokens"] == chars + len(speeches)
+    assert meta["train_tokens"] + meta["val_tokens"] == chars + len(speeches) + meta["cut_documents"]
     n_chars = len(set("".join(speeches)) - {"\n"})
     assert meta["vocab_size"] == n_chars + 256 + 4  # chars, bytes, unk/bos/eos, "\n"
 
@@ -312,7 +348,7 @@ def test_error_undecodable_fail_and_skip(tmp_path):
     assert "latin1.txt" in r.stdout
     meta = json.loads((tmp_path / "o" / "meta.json").read_text())
     assert meta["skipped_undecodable"] == ["c/latin1.txt"]
-    assert meta["train_docs"] + meta["val_docs"] == 4
+    assert meta["documents"] == 4
 
 
 def test_error_vocab_too_large(tmp_path):
@@ -349,21 +385,21 @@ def test_interrupted_run_keeps_the_previous_outputs(prepared, tmp_path):
     out = tmp_path / "out"
     prepare_folder(root / "mycorpus", out)
     before = {fn: (out / fn).read_bytes() for fn in OUTPUTS}
-    calls = {"n": 0}
+    reads = {"n": 0}
 
-    def exploding(text):
-        def load():
-            calls["n"] += 1
-            if calls["n"] > 2 * len(texts) + 1:  # after reading and sampling, in encoding
+    def exploding():
+        # The first read (the scan) is whole; the second (encoding) stops half way.
+        reads["n"] += 1
+        for i, name in enumerate(sorted(texts)):
+            if reads["n"] > 1 and i == len(texts) // 2:
                 raise KeyboardInterrupt
-            return text
-        return load
-    docs = [(n, exploding(t)) for n, t in sorted(texts.items())]
+            yield texts[name]
     for target in (out, tmp_path / "fresh"):
-        calls["n"] = 0
+        reads["n"] = 0
         with pytest.raises(KeyboardInterrupt):
-            common.prepare(str(target), "x", docs, "test", vocab_size=400, min_val_tokens=50,
-                           val_fraction=0.2, log=lambda *a: None)
+            common.prepare(str(target), "x", [("m", "docs", exploding)], "test", vocab_size=400,
+                           min_val_tokens=50, val_fraction=0.2, num_proc=2, log=lambda *a: None)
+        assert reads["n"] == 2
     assert sorted(os.listdir(out)) == sorted(OUTPUTS + ["tokenizer.vocab"])
     assert {fn: (out / fn).read_bytes() for fn in OUTPUTS} == before
     assert not (tmp_path / "fresh").exists()
@@ -373,20 +409,18 @@ def test_interrupted_run_keeps_the_previous_outputs(prepared, tmp_path):
 
 def test_stdlib_collector_is_deterministic_and_finds_text():
     mod = load_script("pystdlib")
-    docs1, skipped1, source1 = mod.stdlib_documents()
-    docs2, skipped2, source2 = mod.stdlib_documents()
-    names = [n for n, _ in docs1]
-    assert names == [n for n, _ in docs2] and skipped1 == skipped2 and source1 == source2
+    sources1, source1 = mod.stdlib_sources()
+    sources2, source2 = mod.stdlib_sources()
+    names = [n for n, _, _ in sources1]
+    assert names == [n for n, _, _ in sources2] and source1 == source2
     assert len(names) == len(set(names))
     assert "stdlib/os.py" in names and "stdlib/json/__init__.py" in names
-    assert any(n.startswith("pydoc_data.topics/") for n in names)
+    assert names[-1] == "pydoc_data.topics" and sources1[-1][1] == "docs"
+    assert sources1[-1][2]() == sources2[-1][2]() and len(sources1[-1][2]()) > 10
     # The text is this Python's own source.
     import os as os_module
-    with open(os_module.__file__, encoding="utf-8") as f:
-        assert dict(docs1)["stdlib/os.py"]() == f.read()
-    sample = names[:: max(1, len(names) // 50)]
-    assert all(dict(docs1)[n]() == dict(docs2)[n]() for n in sample)
-    assert sum(os.path.getsize(p) for p in [os_module.__file__]) > 10_000
+    assert dict((n, p) for n, _, p in sources1)["stdlib/os.py"] == os_module.__file__
+    assert all(k == "text" for _, k, _ in sources1[:-1])
     assert len(names) > 300
     assert not any("site-packages" in n or "__pycache__" in n for n in names)
 
@@ -396,11 +430,12 @@ def test_stdlib_subset_prepares(tmp_path):
     """The default pipeline end to end on a slice of the stdlib (the full corpus is for
     bench/prepare.py): code round-trips exactly through the .bin files."""
     mod = load_script("pystdlib")
-    docs, _, _ = mod.stdlib_documents()
-    docs = [d for d in docs if d[0].startswith("stdlib/json/") or d[0].startswith("stdlib/a")]
-    meta = common.prepare(str(tmp_path / "o"), "pystdlib", docs, "subset", vocab_size=1024,
-                          min_val_tokens=500, log=lambda *a: None)
-    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "o" / "tokenizer.model"))
-    val = split_at_eos(np.fromfile(tmp_path / "o" / "val.bin", dtype=meta["dtype"]), 2)
-    texts = dict(docs)
-    assert [sp.decode(v) for v in val] == [texts[n]() for n in meta["val_documents"]]
+    sources, _ = mod.stdlib_sources()
+    sources = [s for s in sources if s[0].startswith(("stdlib/json/", "stdlib/a"))]
+    meta = common.prepare(str(tmp_path / "o"), "pystdlib", sources, "subset", vocab_size=1024,
+                          min_val_tokens=500, undecodable="skip", log=lambda *a: None)
+    texts = []
+    for _, _, path in sources:
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read())
+    check_split(tmp_path / "o", texts, meta)
