@@ -707,15 +707,17 @@ def test_peak_memory_of_a_200mb_single_file_is_bounded(tmp_path):
     """A 200 MB single text file prepared in a fresh process: the process's peak RSS stays
     within 150 MB of what it had before preparing (the old code held the file several
     times over, ~+600 MB), and the whole tree (two workers) within 400 MB.
-    Slow: it really encodes 200 MB (about a minute on two loaded cores)."""
+    Slow: it really encodes 200 MB, with a character model, the fastest to encode (16 s of
+    CPU, 40-70 s of wall time on two cores loaded by other jobs)."""
     rng = np.random.default_rng(12)
     words = np.array(WORDS)
+    w = words[rng.integers(0, len(words), 400_000)]
+    w[rng.random(len(w)) < 0.08] = "\n"  # lines, and blank lines between paragraphs
+    chunk = " ".join(w) + "\n\n"  # 2 MB; repeated, the file has 100 times more paragraphs
     path = tmp_path / "big.txt"
     with open(path, "w", encoding="utf-8") as f:
         while f.tell() < 200_000_000:
-            w = words[rng.integers(0, len(words), 400_000)]
-            w[rng.random(len(w)) < 0.08] = "\n"  # lines, and blank lines between paragraphs
-            f.write(" ".join(w))
+            f.write(chunk)
     (tmp_path / "run.py").write_text(PEAK_RSS_SCRIPT)
     r = subprocess.run([sys.executable, str(tmp_path / "run.py"), REPO, str(path),
                         str(tmp_path / "o"), "2"], capture_output=True, text=True, timeout=900)
