@@ -757,8 +757,8 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
     for n in skipped_names:
         log(f"warning: skipping {n}: not valid UTF-8")
     if skipped_records:
-        log(f"warning: skipped {skipped_records} records that are not valid JSON objects with "
-            f"a string field {text_field!r}")
+        log(f"warning: skipped {skipped_records} records without a string {text_field!r} "
+            f"(not JSON, not an object, the field missing or not a string)")
     if not docs:
         raise PrepareError(f"empty corpus: no text found in {source}")
     if marker:
