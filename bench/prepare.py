@@ -62,11 +62,10 @@ def documents(size, seed=0):
         yield docs
 
 
-def make_corpus(workdir, size):
-    """workdir/{corpus.txt, jsonl.gz/, parquet/}; returns {form: [(fraction, inputs)]}."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    done_flag = os.path.join(workdir, f"done-{size}")
+def make_corpus(workdir, size, forms):
+    """workdir/{corpus.txt, jsonl.gz/, parquet/} (the forms asked for; the .txt always);
+    returns {form: [(fraction, inputs)]}."""
+    done_flag = os.path.join(workdir, "done-" + "-".join(sorted(forms)))
     txt = os.path.join(workdir, "corpus.txt")
     shard_size = size / SHARDS
     if not os.path.exists(done_flag):
@@ -80,13 +79,17 @@ def make_corpus(workdir, size):
             def flush():
                 nonlocal shard, shard_docs, shard_bytes
                 name = f"shard{shard:03d}"
-                with gzip.open(os.path.join(workdir, "jsonl.gz", name + ".jsonl.gz"), "wt",
-                               encoding="utf-8", compresslevel=6) as f:
-                    f.writelines(json.dumps({"id": i, "text": d}) + "\n"
-                                 for i, d in enumerate(shard_docs))
-                pq.write_table(pa.table({"text": shard_docs}),
-                               os.path.join(workdir, "parquet", name + ".parquet"),
-                               row_group_size=2000)
+                if "jsonl.gz" in forms:
+                    with gzip.open(os.path.join(workdir, "jsonl.gz", name + ".jsonl.gz"), "wt",
+                                   encoding="utf-8", compresslevel=6) as f:
+                        f.writelines(json.dumps({"id": i, "text": d}) + "\n"
+                                     for i, d in enumerate(shard_docs))
+                if "parquet" in forms:
+                    import pyarrow as pa
+                    import pyarrow.parquet as pq
+                    pq.write_table(pa.table({"text": shard_docs}),
+                                   os.path.join(workdir, "parquet", name + ".parquet"),
+                                   row_group_size=2000)
                 shard, shard_docs, shard_bytes = shard + 1, [], 0
             for d in (d for docs in documents(size) for d in docs):
                 if written >= size:
@@ -111,13 +114,14 @@ def make_corpus(workdir, size):
         open(done_flag, "w").close()
         print(f"# made the corpus in {time.time() - t0:.0f}s", flush=True)
 
-    forms = {}
-    for form in ("jsonl.gz", "parquet"):
+    inputs = {}
+    for form in set(forms) - {"txt"}:
         shards = sorted(os.path.join(workdir, form, f) for f in os.listdir(os.path.join(workdir, form)))
-        forms[form] = [(frac, shards[:max(1, int(len(shards) * frac))]) for frac in (0.25, 0.5, 1.0)]
-    forms["txt"] = [(frac, [os.path.join(workdir, f"corpus-{frac}.txt")]) for frac in (0.25, 0.5)]
-    forms["txt"].append((1.0, [txt]))
-    return forms
+        inputs[form] = [(frac, shards[:max(1, int(len(shards) * frac))])
+                        for frac in (0.25, 0.5, 1.0)]
+    inputs["txt"] = [(frac, [os.path.join(workdir, f"corpus-{frac}.txt")]) for frac in (0.25, 0.5)]
+    inputs["txt"].append((1.0, [txt]))
+    return inputs
 
 
 def tree_pss(root):
@@ -200,7 +204,7 @@ def main():
 
     size = parse_size(a.size)
     workdir = os.path.join(a.workdir, str(size))
-    forms = make_corpus(workdir, size)
+    forms = make_corpus(workdir, size, a.forms)
     docs, mb = [], 0.0  # the corpus's first documents, for the ceiling
     for d in (d for batch in documents(int(a.ceiling_mb * 1e6)) for d in batch):
         if mb >= a.ceiling_mb:
