@@ -4,8 +4,9 @@ data/shakespeare_char/ so results can be set beside nanoGPT's shakespeare_char.
 
     python data/shakespeare/prepare.py [--input FILE] [--char]
 
-The file is one document split at blank lines (each speech is a document), so train and val
-share no speech. nanoGPT instead cuts the text at 90% of its length, so losses are close to
+The file is split into documents at blank lines (each speech is a document), so train and
+val share no speech, but for the one or two the exact validation budget cuts between them
+(data/common.py split_tokens). nanoGPT instead cuts the text at 90% of its length, so losses are close to
 comparable but not identical (ours also predicts an end-of-document token per speech).
 """
 import argparse
