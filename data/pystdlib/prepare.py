@@ -18,9 +18,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def stdlib_documents():
-    """Returns (documents, skipped names, source description) for this Python.
-    Files that are not UTF-8 (a few tests ship latin-1 or koi8-r on purpose) are skipped."""
+def stdlib_sources():
+    """Returns (sources, source description) for this Python: every .py file of the stdlib
+    (a document each; files that are not UTF-8, a few tests ship latin-1 or koi8-r on
+    purpose, are skipped), then the pydoc topics as documents held in memory."""
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirs, names in os.walk(root):
@@ -30,39 +31,34 @@ def stdlib_documents():
                 path = os.path.join(dirpath, fn)
                 files.append(("stdlib/" + os.path.relpath(path, root).replace(os.sep, "/"), path))
     files.sort()  # by relative name, so the order does not depend on os.walk
-    docs, skipped = common.file_documents(files, undecodable="skip")
-    try:
-        from pydoc_data.topics import topics  # the text of help('keywords'), help('if'), ...
-    except ImportError:
-        topics = {}  # some distributions strip it; the sources alone are plenty
-    for key in sorted(topics):
-        docs.append((f"pydoc_data.topics/{key}", (lambda t=topics[key]: t)))
+    sources = [(name, "text", path) for name, path in files]
+    sources.append(("pydoc_data.topics", "docs", pydoc_topics))
     version = ".".join(map(str, sys.version_info[:3]))
     source = f"Python {version} standard library at {root} (.py files) + pydoc_data.topics"
-    return docs, skipped, source
+    return sources, source
+
+
+def pydoc_topics():
+    """The text of help('keywords'), help('if'), ... in sorted order."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        return []  # some distributions strip it; the sources alone are plenty
+    return [topics[key] for key in sorted(topics)]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", default=HERE)
-    p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char"])
-    p.add_argument("--val_fraction", type=float, default=0.05)
-    p.add_argument("--min_val_tokens", type=int, default=1025,
-                   help="the validation split holds at least this many tokens (one block + 1)")
-    p.add_argument("--sample_bytes", type=int, default=4_000_000,
-                   help="size of the seeded line sample the tokenizer is trained on")
-    p.add_argument("--seed", type=int, default=1337)
+    common.add_arguments(p)
     args = p.parse_args(argv)
 
     def body(_):
-        docs, skipped, source = stdlib_documents()
-        if skipped:
-            print(f"skipping {len(skipped)} files that are not UTF-8: {', '.join(skipped)}")
-        return common.prepare(args.out_dir, "pystdlib", docs, source, vocab_size=args.vocab_size,
-                              model_type=args.model_type, val_fraction=args.val_fraction,
-                              min_val_tokens=args.min_val_tokens, sample_bytes=args.sample_bytes,
-                              seed=args.seed, skipped=skipped)
+        sources, source = stdlib_sources()
+        return common.prepare(args.out_dir, "pystdlib", sources, source,
+                              model_type=args.model_type, undecodable="skip",
+                              **common.prepare_options(args))
     return common.run(body, argv)
 
 

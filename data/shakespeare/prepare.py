@@ -4,8 +4,9 @@ data/shakespeare_char/ so results can be set beside nanoGPT's shakespeare_char.
 
     python data/shakespeare/prepare.py [--input FILE] [--char]
 
-The file is one document split at blank lines (each speech is a document), so train and val
-share no speech. nanoGPT instead cuts the text at 90% of its length, so losses are close to
+The file is split into documents at blank lines (each speech is a document), so train and
+val share no speech, but for the one or two the exact validation budget cuts between them
+(data/common.py split_tokens). nanoGPT instead cuts the text at 90% of its length, so losses are close to
 comparable but not identical (ours also predicts an end-of-document token per speech).
 """
 import argparse
@@ -45,10 +46,7 @@ def main(argv=None):
     p.add_argument("--char", action="store_true", help="character-level tokenizer")
     p.add_argument("--out_dir", default=None,
                    help="default: data/shakespeare, or data/shakespeare_char with --char")
-    p.add_argument("--vocab_size", type=int, default=2048, help="bpe only (--char sizes itself)")
-    p.add_argument("--val_fraction", type=float, default=0.1)
-    p.add_argument("--min_val_tokens", type=int, default=1025)
-    p.add_argument("--seed", type=int, default=1337)
+    common.add_arguments(p, vocab_size=2048, val_fraction=0.1)
     p.add_argument("--timeout", type=float, default=10.0, help="download timeout, seconds")
     args = p.parse_args(argv)
 
@@ -58,14 +56,14 @@ def main(argv=None):
             path = os.path.join(HERE, "input.txt")
             if not os.path.exists(path):
                 download(path, args.timeout)
-        docs, skipped = common.file_documents(common.find_files([path]), "fail")
         name = "shakespeare_char" if args.char else "shakespeare"
         out_dir = args.out_dir or os.path.join(os.path.dirname(HERE), name)
-        return common.prepare(out_dir, name, docs, os.path.abspath(path),
-                              vocab_size=0 if args.char else args.vocab_size,
-                              model_type="char" if args.char else "bpe",
-                              val_fraction=args.val_fraction, min_val_tokens=args.min_val_tokens,
-                              seed=args.seed, skipped=skipped)
+        options = common.prepare_options(args)
+        if args.char:
+            options["vocab_size"] = 0  # every character seen + the byte pieces
+        return common.prepare(out_dir, name, common.file_sources(common.find_files([path])),
+                              os.path.abspath(path), model_type="char" if args.char else "bpe",
+                              **options)
     return common.run(body, argv)
 
 
