@@ -156,10 +156,12 @@ def hf_tokenizer(sp):
     m = pb.ModelProto()
     m.ParseFromString(sp.serialized_model_proto())
     P, spec, norm = pb.ModelProto.SentencePiece, m.trainer_spec, m.normalizer_spec
-    kinds = {spec.BPE: "bpe", spec.UNIGRAM: "unigram", spec.CHAR: "char", spec.WORD: "word"}
-    kind = kinds.get(spec.model_type, str(spec.model_type))
-    if kind not in ("bpe", "char", "unigram"):
-        sys.exit(f"error: a sentencepiece {kind} model is not exported (bpe, unigram, char are)")
+    kind = {spec.BPE: "bpe", spec.CHAR: "char"}.get(spec.model_type)
+    if kind is None:
+        # unigram: tried, and `tokenizers`' Viterbi breaks ties between equal-score
+        # segmentations (runs of spaces) differently from sentencepiece: other ids
+        sys.exit("error: only bpe and char sentencepiece tokenizers are exported (the default "
+                 "ones); a unigram tokenizer would give different ids on runs of spaces")
     custom = norm.name not in ("identity", "") or norm.add_dummy_prefix or \
         norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix
     if custom:  # data/common.py never trains these; other settings would need more than a Replace
@@ -171,24 +173,17 @@ def hf_tokenizer(sp):
                  "tokenizers only (data/common.py always trains with it)")
     pieces = list(m.pieces)
     unk = pieces[spec.unk_id].piece
-    if kind == "unigram":
-        # Only normal pieces may be chosen by the Viterbi search; the others get a score that
-        # never wins (a literal "<s>" or "<0x41>" in text must not match those pieces).
-        vocab = [(p.piece, p.score if p.type == P.NORMAL else -1e9) for p in pieces]
-        model = models.Unigram(vocab, unk_id=spec.unk_id, byte_fallback=True)
-    else:
-        vocab = {p.piece: i for i, p in enumerate(pieces)}
-        merges = []
-        if kind == "bpe":
-            normal = sorted((i for i, p in enumerate(pieces) if p.type == P.NORMAL),
-                            key=lambda i: (-pieces[i].score, i))
-            for i in normal:
-                s = pieces[i].piece
-                splits = [(s[:k], s[k:]) for k in range(1, len(s))
-                          if s[:k] in vocab and s[k:] in vocab]
-                merges += sorted(splits, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
-        model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True,
-                           fuse_unk=True)
+    vocab = {p.piece: i for i, p in enumerate(pieces)}
+    merges = []
+    if kind == "bpe":  # a char model is the same BPE without merges
+        normal = sorted((i for i, p in enumerate(pieces) if p.type == P.NORMAL),
+                        key=lambda i: (-pieces[i].score, i))
+        for i in normal:
+            s = pieces[i].piece
+            splits = [(s[:k], s[k:]) for k in range(1, len(s)) if s[:k] in vocab and s[k:] in vocab]
+            merges += sorted(splits, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
+    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True,
+                       fuse_unk=True)
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
@@ -267,6 +262,7 @@ def main(argv):
         sys.exit(f"error: cannot export {cfg['out_dir']}: {why}")
     if sp.eos_id() < 0:
         sys.exit("error: the tokenizer has no end-of-document piece (eos_id); export needs one")
+    tok = hf_tokenizer(sp)  # before anything is written: it may refuse too
     path = cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf")
     try:
         os.makedirs(path, exist_ok=True)
@@ -277,7 +273,6 @@ def main(argv):
     gen = {"eos_token_id": sp.eos_id(), "pad_token_id": sp.eos_id(), "do_sample": True,
            "temperature": 0.8, "top_k": 200}  # sample.py's defaults
     weights = neox_weights(model, getattr(torch, cfg["dtype"]))
-    tok = hf_tokenizer(sp)
     files = {"config.json": conf, "generation_config.json": gen,
              "tokenizer_config.json": tokenizer_config(sp, conf["max_position_embeddings"])}
     for name, obj in files.items():
