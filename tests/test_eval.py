@@ -26,15 +26,7 @@ from data import common  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 BLOCK = 64
-ENV = dict(os.environ, OMP_NUM_THREADS="1")  # tiny steps: one thread is faster on 2 busy cores
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from test_sample import ENV, one_thread  # noqa: E402,F401 (one thread for tiny models; autouse)
 
 
 def corpus_docs(n_docs=24, seed=0):
@@ -108,12 +100,17 @@ def json_eval(capsys, *args):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def err(*args):
+def one_line_error(fn, *args):
+    """The message of the sys.exit that fn(*args) must end in: one line, 'error: ...'."""
     with pytest.raises(SystemExit) as e:
-        evalpy.main(list(args))
+        fn(*args)
     msg = str(e.value.code)
     assert msg.startswith("error: ") and "\n" not in msg, msg
     return msg
+
+
+def err(*args):
+    return one_line_error(evalpy.main, list(args))
 
 
 # --- the window -------------------------------------------------------------------------------
