@@ -132,8 +132,12 @@ def test_trained_run_logits_and_greedy_generation_match(run):
     assert torch.equal(ours, theirs)
 
 
-def test_builtin_check_reports_a_match(run, capsys, tmp_path):
-    export.main([f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'hf'}"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_builtin_check_reports_a_match(run, capsys, tmp_path, dtype):
+    """export.py's own check (transformers vs our model with the same rounded weights)."""
+    export.main([f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'hf'}", f"--dtype={dtype}"])
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == dtype
     line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("check:")][0]
     diff = float(line.split("difference| ")[1].split()[0])
     n = line.split("sentencepiece on ")[1].split()[0]
