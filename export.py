@@ -11,6 +11,7 @@ tokenizer_config.json. Afterwards it is loaded back with transformers and checke
 logits as ours on a random block, the same token ids as sentencepiece on the run's own
 validation text (--check=False skips that; it is what needs transformers).
 """
+import importlib
 import json
 import os
 import sys
@@ -29,11 +30,12 @@ check = True            # load the export back with transformers and compare log
 # -----------------------------------------------------------------------------------------
 
 
-def need(package):
-    """Import an optional package, or stop with one line naming it."""
+def need(module):
+    """Import an optional package's module, or stop with one line naming the package."""
     try:
-        return __import__(package)
+        return importlib.import_module(module)
     except ImportError:
+        package = module.split(".")[0]
         sys.exit(f"error: export.py needs the '{package}' package: pip install {package}")
 
 
@@ -249,11 +251,10 @@ def main(argv):
         sys.exit(f"error: {e}")
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         sys.exit(f"error: dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
-    safetensors = need("safetensors")
+    st = need("safetensors.torch")
     need("tokenizers")
     if cfg["check"]:
         need("transformers")
-    import safetensors.torch  # noqa: F401 (the submodule)
 
     # float32 on the CPU: export copies the exact weights, it computes nothing
     model, sp, ckpt = load_run(cfg["out_dir"], torch.device("cpu"), "float32", cfg["tokenizer"])
@@ -267,8 +268,10 @@ def main(argv):
     path = cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf")
     try:
         os.makedirs(path, exist_ok=True)
+        if os.path.exists(os.path.join(path, "model.safetensors")):  # an earlier export:
+            os.remove(os.path.join(path, "model.safetensors"))     # complete only when redone
     except OSError as e:
-        sys.exit(f"error: cannot create {path}: {e.strerror or e}")
+        sys.exit(f"error: cannot write to {path}: {e.strerror or e}")
 
     conf = neox_config(c, sp.eos_id(), cfg["dtype"])
     gen = {"eos_token_id": sp.eos_id(), "pad_token_id": sp.eos_id(), "do_sample": True,
@@ -284,7 +287,7 @@ def main(argv):
     # written last, through a temp name: a folder with model.safetensors in it is complete
     tmp = os.path.join(path, ".model.safetensors.tmp")
     with open(tmp, "wb") as f:
-        f.write(safetensors.torch.save(weights, metadata={"format": "pt"}))
+        f.write(st.save(weights, metadata={"format": "pt"}))
     os.replace(tmp, os.path.join(path, "model.safetensors"))
     size = os.path.getsize(os.path.join(path, "model.safetensors"))
     print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "

@@ -246,5 +246,6 @@ def test_missing_packages_and_bad_arguments(run, monkeypatch):
     assert "unknown config key" in err(o, "--hf=x")
     for package in ("safetensors", "transformers", "tokenizers"):
         with monkeypatch.context() as m:
-            m.setitem(sys.modules, package, None)  # import now raises ImportError
+            for name in [n for n in sys.modules if n.split(".")[0] == package]:
+                m.setitem(sys.modules, name, None)  # importing it now raises ImportError
             assert f"'{package}' package" in err(o)
