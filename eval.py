@@ -13,8 +13,8 @@ Each input file is one document: it is read after the end-of-document token (the
 training document starts from) and every one of its tokens is scored once. Text longer than
 block_size is scored with a sliding window: windows of block_size tokens start every `stride`
 tokens; the first scores all its tokens, each later one only the tokens past the previous
-window, which so have at least block_size - stride tokens of context. --split=val scores the
-run's own val.bin (its end-of-document tokens included, which add loss but no bytes).
+window, so each of those has at least block_size - stride tokens of context. --split=val
+scores the run's own val.bin (its end-of-document tokens included: loss but no bytes).
 """
 import json as jsonlib
 import math
