@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from configurator import file_sha256
+from configurator import cuda_autocast_dtype, file_sha256
 from model import RoFormer, RoFormerConfig
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -33,8 +33,7 @@ def pick_device(device="auto", dtype="auto"):
     if dtype == "auto":
         # bf16 only where the GPU computes in it natively (emulated bf16 is slow); float32 on
         # the CPU (bf16 decoding there measured faster only on a quiet machine, see README)
-        dtype = "float32" if dev.type != "cuda" else \
-            "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+        dtype = cuda_autocast_dtype() if dev.type == "cuda" else "float32"
     if dtype not in DTYPES:
         sys.exit(f"error: dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return dev, dtype

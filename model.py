@@ -112,7 +112,7 @@ def sinusoidal_embedding(pos, dim):
     inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     ang = pos.cpu().double()[:, None] * inv_freq  # on the CPU: some devices lack float64
     table = torch.cat((ang.sin(), ang.cos()), dim=-1) * SINUSOIDAL_SCALE
-    return table.float().to(pos.device)
+    return table.float()
 
 
 # ----------------------------------------------------------------------------------------
@@ -269,12 +269,16 @@ class RoFormer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
-        # cos/sin tables: not persistent (never in a checkpoint, so rope_scaling can change at
-        # inference), rebuilt in float32 if model.to(bf16) casts them, grown past block_size.
+        # The fixed position tables, RoPE's cos/sin or the sinusoidal baseline's embedding: not
+        # persistent (never in a checkpoint, so rope_scaling can change at inference), rebuilt
+        # in float32 if model.to(bf16) casts them, grown past block_size.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        if cfg.pos_encoding == "rope":  # built now so a training forward never mutates them
-            self.rope_tables(cfg.block_size, "cpu")
+        self.register_buffer("sin_emb", torch.empty(0), persistent=False)
+        if cfg.pos_encoding in ("rope", "sinusoidal"):
+            # built now and moved with the model, so a training forward never builds, copies
+            # or mutates them (a host-to-device copy per step would also break a compiled graph)
+            self.pos_tables(cfg.block_size, "cpu")
         self.slot_pos = None  # decoding: absolute position held by each cache slot (-1: empty)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # depth-scaled init of residual projections
@@ -288,15 +292,21 @@ class RoFormer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def rope_tables(self, n, device):
-        """cos, sin for positions 0..n-1 (at least), float32."""
-        if self.rope_cos.size(0) < n or self.rope_cos.dtype != torch.float32:
-            c = self.config
-            size = max(n, c.block_size, 2 * self.rope_cos.size(0))  # grow geometrically
-            cos, sin = rope_table(torch.arange(size), c.n_embd // c.n_head, c.rope_base,
-                                  c.rope_scaling, c.rope_factor)
-            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        return self.rope_cos, self.rope_sin
+    def pos_tables(self, n, device):
+        """The fixed tables for positions 0..n-1 (at least), float32: (cos, sin) for RoPE, the
+        (n, n_embd) embedding for the sinusoidal baseline. Built only when missing, cast, or
+        too short (decoding past them), then grown geometrically."""
+        c = self.config
+        have = self.rope_cos if c.pos_encoding == "rope" else self.sin_emb
+        if have.size(0) < n or have.dtype != torch.float32:
+            pos = torch.arange(max(n, c.block_size, 2 * have.size(0)))
+            if c.pos_encoding == "rope":
+                cos, sin = rope_table(pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling,
+                                      c.rope_factor)
+                self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+            else:
+                self.sin_emb = sinusoidal_embedding(pos, c.n_embd).to(device)
+        return (self.rope_cos, self.rope_sin) if c.pos_encoding == "rope" else self.sin_emb
 
     def forward(self, idx, targets=None, start_pos=None):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy if targets are given
@@ -313,11 +323,11 @@ class RoFormer(nn.Module):
                                  f"run position {p0 + T - 1} (use use_cache=False to crop)")
             x = x + self.wpe(pos)
         elif c.pos_encoding == "sinusoidal":
-            x = x + sinusoidal_embedding(pos, c.n_embd).to(x.dtype)
+            x = x + self.pos_tables(p0 + T, idx.device)[p0:p0 + T].to(x.dtype)
         x = self.drop(x)
         rope = None
         if c.pos_encoding == "rope":
-            cos, sin = self.rope_tables(p0 + T, idx.device)
+            cos, sin = self.pos_tables(p0 + T, idx.device)
             rope = (cos[p0:p0 + T], sin[p0:p0 + T])
         step = None if start_pos is None else self.cache_step(pos)
         for block in self.blocks:

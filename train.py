@@ -26,11 +26,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import numpy as np
 import torch
 
-from configurator import ConfigError, configure, file_sha256
+from configurator import (ConfigError, configure, cpu_has_bf16, cuda_autocast_dtype, file_sha256,
+                          gpu_peak_flops)
 from model import RoFormer, RoFormerConfig
 
 # ----------------------------------------------------------------------------------------
@@ -42,7 +44,7 @@ data_dir = ""                # "" means data/<dataset> next to this script
 init_from = "scratch"        # "scratch" | "resume" (from out_dir/ckpt.pt)
 eval_interval = 250          # evaluate, log and checkpoint every this many iterations
 eval_iters = 20              # batches per split per evaluation
-log_interval = 1             # refresh the progress bar every this many iterations
+log_interval = 10            # progress: bar postfix, or one plain line when not on a terminal
 # wandb (optional; WANDB_MODE=offline works without a network)
 wandb_log = False
 wandb_project = "roformer"
@@ -153,20 +155,9 @@ if ddp:
                                          store=store, rank=rank, world_size=world)
 
 
-def cpu_has_bf16():
-    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast is
-    several times faster than fp32; elsewhere it is emulated and slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:  # not Linux: be conservative
-        return False
-    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
-
-
 if dtype == "auto":
     if device_type == "cuda":
-        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        dtype = cuda_autocast_dtype()  # bf16 where native, else fp16 (T4, V100)
     elif device_type == "cpu" and cpu_has_bf16():
         # Measured on a 2-core AVX512-BF16 CPU (bench/train.py, quiet machine): bf16 autocast
         # trains config/small.py's model 1.2x faster eager and 1.5x compiled than float32,
@@ -222,21 +213,24 @@ def tokens(split):
 
 
 for _s in ("train", "val"):
-    if len(tokens(_s)) < block_size + 2:
-        fail(f"{ddir}/{_s}.bin has {len(tokens(_s))} tokens, fewer than block_size+2 = "
-             f"{block_size + 2}; lower block_size or use more data")
+    if len(tokens(_s)) < block_size + 1:
+        fail(f"{ddir}/{_s}.bin has {len(tokens(_s))} tokens, fewer than block_size+1 = "
+             f"{block_size + 1}; lower block_size or use more data")
 
 
 def get_batch(split, rng, bs, T):
-    """bs random windows of T+1 tokens, picked by the numpy Generator `rng`."""
+    """bs random windows of T+1 tokens, picked by the numpy Generator `rng`: inputs are the
+    first T tokens of a window, targets the last T."""
     data = tokens(split)
-    ix = rng.integers(0, len(data) - T - 1, size=bs)
+    ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     w = torch.from_numpy(data[ix[:, None] + np.arange(T + 1)].astype(np.int64))
-    x, y = w[:, :-1], w[:, 1:]
     if device_type == "cuda":
-        return (x.pin_memory().to(device, non_blocking=True),
-                y.pin_memory().to(device, non_blocking=True))
-    return x.to(device), y.to(device)
+        # Pin and send the whole contiguous window, then slice on the device: pinning a
+        # strided view (w[:, :-1]) would go through a pageable temporary copy first.
+        w = w.pin_memory().to(device, non_blocking=True)
+    else:
+        w = w.to(device)
+    return w[:, :-1], w[:, 1:]
 
 
 tok_path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))
@@ -251,18 +245,49 @@ os.makedirs(out_dir, exist_ok=True)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-if init_from == "scratch" and restarts > 0 and os.path.exists(ckpt_path):
-    # torchrun --max-restarts=K restarted us after a crash: continue from the last checkpoint
-    # instead of starting over (the first attempt wrote it).
-    if master:
-        print(f"restart {restarts}: resuming from {ckpt_path}", flush=True)
-    init_from = "resume"
+# Every run has an id, recorded in its checkpoints. Under torchrun it is the rendezvous id:
+# the same on every node and across --max-restarts restarts (--standalone draws a fresh one;
+# across nodes pass a unique --rdzv_id, e.g. the SLURM job id). A single process draws its own.
+run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
+
+
+def load_checkpoint(path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, or not a checkpoint: say which file, not a traceback
+        fail(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+
 
 ckpt = None
 if init_from == "resume":
     if not os.path.exists(ckpt_path):
         fail(f"init_from=resume but {ckpt_path} does not exist")
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    ckpt = load_checkpoint(ckpt_path)
+elif restarts > 0 and os.path.exists(ckpt_path):
+    # torchrun restarted us after a crash: continue from the last checkpoint, but only if this
+    # run wrote it. (A scratch start moved any older checkpoint aside, see below.)
+    ckpt = load_checkpoint(ckpt_path)
+    if ckpt.get("run_id") == run_id:
+        if master:
+            print(f"restart {restarts}: resuming from {ckpt_path}", flush=True)
+        init_from = "resume"
+    else:
+        ckpt = None
+if init_from == "scratch" and os.path.exists(ckpt_path):
+    # A new run never overwrites another run's work, and a restart must not mistake it for its
+    # own: move the old checkpoint and its log aside, stamped with the checkpoint's time.
+    if ddp:
+        torch.distributed.barrier()  # every rank has decided before the file moves
+    if master:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(ckpt_path)))
+        for name in ("ckpt", "log"):
+            ext = ".pt" if name == "ckpt" else ".jsonl"
+            old = os.path.join(out_dir, name + ext)
+            if os.path.exists(old):
+                os.replace(old, os.path.join(out_dir, f"{name}.{stamp}{ext}"))
+        print(f"note: {out_dir} held a checkpoint of another run; moved it to "
+              f"ckpt.{stamp}.pt (and its log to log.{stamp}.jsonl)", flush=True)
+if ckpt is not None:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
     differ = [k for k in config if k not in LOOP_KEYS and k not in ("dtype",)
               and k in ckpt["config"] and ckpt["config"][k] != config[k]
@@ -286,6 +311,7 @@ try:
 except ValueError as e:
     fail(str(e))
 model_args = dataclasses.asdict(mconf)
+config.update(model_args)  # the checkpoint records the model that ran, not the command line
 torch.manual_seed(seed)  # the initial weights
 raw_model = RoFormer(mconf)
 if ckpt is not None:
@@ -296,12 +322,20 @@ optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, 
 # fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16") \
     if device_type == "cuda" else None
-iter_num, best_val_loss = 0, float("inf")
+iter_num, best_val_loss, tokens_seen = 0, float("inf"), 0
+tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 if ckpt is not None:
+    # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
+    # eps, fused, ...); this command's settings are the ones that must run, so put them back.
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(ckpt["optimizer"])
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+    # a resumed run may use another batch size: count the tokens, not iterations x batch
+    tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
     rs = ckpt["rng"]  # batches and dropout are reseeded every micro-step; restored anyway
     torch.set_rng_state(rs["torch"])
     np.random.set_state(tuple(rs["numpy"]))
@@ -356,8 +390,8 @@ def save_checkpoint():
     ck = {"model": raw_model.state_dict(),  # the uncompiled module: no _orig_mod. prefixes
           "optimizer": optimizer.state_dict(),
           "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-          "iter_num": iter_num, "best_val_loss": best_val_loss,
-          "model_args": model_args, "config": config, "tokenizer": tokenizer,
+          "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
+          "run_id": run_id, "model_args": model_args, "config": config, "tokenizer": tokenizer,
           "rng": {"torch": torch.get_rng_state(),
                   "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]),
                             float(npst[4])],
@@ -367,14 +401,11 @@ def save_checkpoint():
 
 
 def peak_flops():
-    """FLOP/s that MFU is measured against. GPU: the datasheet's dense bf16/fp16 rate where we
-    know the card. CPU: a 1024^3 matmul in the run's dtype, timed now, on this process's
-    threads (a CPU has no honest datasheet number)."""
+    """FLOP/s of ONE device (this process's) that MFU is measured against. GPU: the datasheet's
+    dense bf16/fp16 rate where we know the card (None otherwise). CPU: a 1024^3 matmul in the
+    run's dtype, timed now, on this process's threads (a CPU has no honest datasheet number)."""
     if device_type == "cuda":
-        name = torch.cuda.get_device_name()
-        table = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12,
-                 "L4": 121e12, "V100": 125e12}
-        return next((v for k, v in table.items() if k in name), None)
+        return gpu_peak_flops(torch.cuda.get_device_name())
     if device_type != "cpu":
         return None
     a = torch.randn(1024, 1024, dtype=ptdtype)
@@ -383,18 +414,16 @@ def peak_flops():
     while time.perf_counter() - t0 < 0.2:
         a @ a
         n += 1
-    return 2 * 1024 ** 3 * n / (time.perf_counter() - t0) * world
+    return 2 * 1024 ** 3 * n / (time.perf_counter() - t0)
 
 
 peak = peak_flops()
-flops_per_iter = raw_model.flops_per_token(block_size) * batch_size * block_size * \
-    gradient_accumulation_steps
-tokens_per_iter = batch_size * block_size * gradient_accumulation_steps
+flops_per_token = raw_model.flops_per_token(block_size)
 
 # ----------------------------------------------------------------------------------------
 # logging
 if init_from == "scratch" and master:
-    open(log_path, "w").close()  # a new run: a new log
+    open(log_path, "w").close()  # a new run: a new log (an older run's was moved aside)
 elif master and os.path.exists(log_path):
     # Drop evaluations logged after the checkpoint (a crash between the two): the resumed run
     # logs them again.
@@ -409,9 +438,11 @@ if wandb_log and master:
 if master:
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es), {tokens_per_iter:,} tokens/iter, "
-          f"data {ddir}", flush=True)
+          f"data {ddir}, run {run_id[:8]}", flush=True)
+    print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
+                     "(peak FLOP/s of this device unknown)"), flush=True)
 
-stop = False
+stop = signalled = False
 
 
 def on_signal(signum, frame):
@@ -432,8 +463,11 @@ crash_at = tuple(map(int, crash_at.split(":"))) if crash_at else None
 # the loop
 from tqdm import tqdm  # noqa: E402
 
-bar = tqdm(total=max_iters, initial=iter_num, disable=not master, dynamic_ncols=True,
-           unit="it")
+# A bar on a terminal; under a pipe or a file (CI, SLURM, `> log`) one plain line per
+# log_interval instead: a bar's carriage-return updates would write megabytes there.
+interactive = sys.stderr.isatty()
+bar = tqdm(total=max_iters, initial=iter_num, disable=not master or not interactive,
+           dynamic_ncols=True, unit="it")
 t_start = time.time()
 tok_s = None
 
@@ -443,7 +477,7 @@ def evaluate():
     losses = estimate_loss()
     best_val_loss = min(best_val_loss, losses["val"])
     rec = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
-           "lr": get_lr(iter_num), "tokens": iter_num * tokens_per_iter,
+           "lr": get_lr(iter_num), "tokens": tokens_seen,
            "time_s": round(time.time() - t_start, 3)}
     with open(log_path, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -503,6 +537,7 @@ while iter_num < max_iters:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
+    tokens_seen += tokens_per_iter
 
     dt = time.time() - t0
     if master and (iter_num % log_interval == 0 or iter_num == max_iters):
@@ -512,17 +547,29 @@ while iter_num < max_iters:
             tok_s = rate if tok_s is None else 0.9 * tok_s + 0.1 * rate
         post = {"loss": f"{loss_sum.item() / local_steps:.4f}"}
         if tok_s:
-            post["tok/s"] = f"{tok_s:,.0f}"
-            if peak:
-                post["mfu"] = f"{100 * tok_s / tokens_per_iter * flops_per_iter / peak:.1f}%"
-        bar.set_postfix(post, refresh=False)
+            post["tok/s"] = f"{tok_s:,.0f}"  # all ranks together
+            # model FLOPs per second of one device over that device's peak
+            post["mfu"] = f"{100 * flops_per_token * tok_s / world / peak:.1f}%" if peak \
+                else "n/a"
+        if interactive:
+            bar.set_postfix(post, refresh=False)
+        else:
+            per_iter = (time.time() - t_start) / (iter_num - start_iter)
+            eta = int(per_iter * (max_iters - iter_num))
+            print(f"iter {iter_num}/{max_iters}: " + ", ".join(f"{k} {v}" for k, v in post.items())
+                  + f", eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", flush=True)
     bar.update(1)
     if flags[1] > 0:
         bar.write(f"signal received: stopping at iteration {iter_num}")
+        signalled = True
         break
 
-# the final state is always evaluated (once) and saved
+# The final state is always saved and evaluated once. After a signal, save first: torchrun
+# kills 30 s after SIGTERM (SLURM and Kubernetes grace periods are similar), and an evaluation
+# alone can take longer than that.
 if master:
+    if signalled:
+        save_checkpoint()
     if iter_num > start_iter or not resumed:
         evaluate()
     save_checkpoint()

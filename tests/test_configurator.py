@@ -53,3 +53,62 @@ def test_file_sha256_matches_hashlib(tmp_path):
     data = os.urandom(3 << 20)  # spans several read blocks
     f.write_bytes(data)
     assert file_sha256(str(f)) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("text", ['"""Doc"""', "42", "None", "'quoted'", "[1, 2]", "a=b", ""])
+def test_a_string_key_keeps_the_text_exactly_as_typed(text):
+    """A prompt is text, not Python: reading it as a literal lost the quotes of '\"\"\"Doc\"\"\"',
+    made 42 an int (a type error) and None a crash further on."""
+    assert configure({"start": "\n"}, [f"--start={text}"])["start"] == text
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--batch_size=None"], ["batch_size", "int"]),
+    (["--learning_rate=(1, 2)"], ["learning_rate", "single float"]),
+    (["--compile=[True]"], ["compile", "single bool"]),
+])
+def test_none_or_a_sequence_for_a_number_is_an_error(argv, words):
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, argv)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("line", ["batch_size = (8, 16)", "device = ['cpu']",
+                                  "learning_rate = {'a': 1}"])
+def test_a_sequence_for_a_known_key_in_a_config_file_is_an_error(tmp_path, line):
+    """Non-scalar values used to be skipped silently (as if they were helper objects), so the
+    run went ahead with the default."""
+    f = tmp_path / "c.py"
+    f.write_text(line + "\nhelpers = [1, 2]\n")  # an unknown helper list is still fine
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(f)])
+    msg = str(e.value)
+    assert "\n" not in msg and "c.py" in msg and line.split()[0] in msg, msg
+
+
+def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
+    """torch 2.13's is_bf16_supported() is True on a T4 or V100, where bf16 is only emulated
+    (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
+    Checked against a stand-in for torch's query, since no GPU runs these tests."""
+    import torch
+    from configurator import cuda_autocast_dtype
+    for native, want in ((False, "float16"), (True, "bfloat16")):
+        def query(including_emulation=True, native=native):
+            return native or including_emulation  # emulation always "works"
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", query)
+        assert cuda_autocast_dtype() == want
+
+
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A10", 125), ("NVIDIA A10G", None),
+    ("NVIDIA L4", 121), ("NVIDIA L40", 181), ("NVIDIA L40S", 362), ("Tesla T4", 65),
+    ("Tesla V100-PCIE-16GB", 112), ("NVIDIA GeForce RTX 4090", None),
+])
+def test_gpu_peak_matches_the_exact_model(name, tflops):
+    """Substring matching gave an A10G the A10's peak and an L40 or L40S the L4's; an H100
+    PCIe (756 TFLOP/s dense bf16) is not an SXM part (989). Unknown cards get None (mfu n/a).
+    The expected values are the vendors' datasheet figures, written out here."""
+    from configurator import gpu_peak_flops
+    got = gpu_peak_flops(name)
+    assert (got is None and tflops is None) or got == tflops * 1e12

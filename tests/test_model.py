@@ -424,6 +424,27 @@ def test_sinusoidal_table_has_the_embeddings_init_scale():
     assert table.isfinite().all() and 0.5 < rms / tok < 2.0
 
 
+def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
+    """Like RoPE's cos/sin, the baseline's table is a buffer built with the model and moved
+    with it. Rebuilding it inside forward meant a float64 CPU computation and a host-to-device
+    copy on every GPU step, and a break in the compiled graph. The cached table still equals
+    the formula (reference_forward writes it out), also once decoding grows it."""
+    import model as M
+    m = tiny(pos_encoding="sinusoidal")
+    built = []
+    real = M.sinusoidal_embedding
+    monkeypatch.setattr(M, "sinusoidal_embedding", lambda *a: built.append(a) or real(*a))
+    idx = torch.randint(0, 61, (2, 16))
+    logits = m(idx)[0]
+    m(idx)
+    assert built == []  # two forwards, no rebuild
+    torch.testing.assert_close(logits.double(), reference_forward(m, idx), atol=1e-5, rtol=1e-4)
+    m.generate(idx[:1, :4], 40, temperature=0, use_cache=True)  # positions past block_size
+    assert len(built) == 2 and m.sin_emb.size(0) == 64  # grown geometrically: 16, 32, 64
+    naive = torch.tensor([math.sin(43 * 10000 ** (-2 * i / 16)) for i in range(8)])
+    torch.testing.assert_close(m.sin_emb[43, :8], (0.02 * math.sqrt(2) * naive).float())
+
+
 def test_params_and_flops():
     m = tiny(pos_encoding="learned")
     n = sum(p.numel() for p in m.parameters())

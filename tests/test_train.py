@@ -5,6 +5,8 @@ import glob
 import hashlib
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -82,9 +84,15 @@ def max_diff(a, b):
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     out = str(tmp_path / "out")
-    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, f"--attention={attention}",
-          "--max_iters=30", "--eval_interval=10")
+    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, f"--attention={attention}",
+              "--max_iters=30", "--eval_interval=10", "--log_interval=5")
     rows = log(out)
+    # Not on a terminal (a pipe here, like CI, SLURM or `> log`): one plain line per
+    # log_interval instead of a bar's carriage-return updates, which wrote megabytes.
+    assert "\r" not in r.stderr and "\r" not in r.stdout
+    progress = [ln for ln in r.stdout.splitlines() if ln.startswith("iter ") and "/30:" in ln]
+    assert [ln.split("/")[0] for ln in progress] == [f"iter {i}" for i in range(5, 31, 5)]
+    assert all("loss" in ln and "eta" in ln for ln in progress)
     assert [r["iter"] for r in rows] == [0, 10, 20, 30]
     assert set(rows[0]) == {"iter", "train_loss", "val_loss", "lr", "tokens", "time_s"}
     assert rows[-1]["tokens"] == 30 * 4 * 32
@@ -98,6 +106,39 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     assert not any(k.startswith("_orig_mod") for k in ck["model"])
     assert {"torch", "numpy", "python"} <= set(ck["rng"]) and ck["scaler"] is None
     assert not os.path.exists(os.path.join(out, "ckpt.pt.tmp"))
+
+
+def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
+    """A window is T+1 tokens, so T+1 tokens hold exactly one, and that window is also the
+    last one. The draw used to stop one window short (rng.integers(0, len-T-1) never returns
+    the last start) and the check wanted T+2 tokens, so data/*/prepare.py's minimum
+    validation split (1025 tokens) was refused at block_size 1024."""
+    d = make_data(str(tmp_path / "data"))
+    tok = np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)
+    tok[:33].tofile(os.path.join(d, "val.bin"))  # block_size 32 + 1
+    out = str(tmp_path / "out")
+    train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=2", "--eval_interval=1")
+    assert [r["iter"] for r in log(out)] == [0, 1, 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA device")
+def test_batches_pin_the_contiguous_window(data, tmp_path):
+    """Pinning a strided view (w[:, :-1]) copies it through a pageable temporary first, so
+    the transfer is neither pinned nor asynchronous. train.py must pin the whole contiguous
+    window and slice it on the device. A CPU cannot pin, hence the skip; on a GPU this fails
+    for the old code, which pinned x and y separately."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import torch\n"
+        "_pin = torch.Tensor.pin_memory\n"
+        "def pin(self, *a, **k):\n"
+        "    if not self.is_contiguous():\n"
+        "        raise SystemExit('error: pinned a strided view')\n"
+        "    return _pin(self, *a, **k)\n"
+        "torch.Tensor.pin_memory = pin\n")
+    train(f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY, "--device=cuda",
+          "--max_iters=2", PYTHONPATH=str(site))
 
 
 def test_tokenizer_identity_is_the_file_hash(tmp_path):
@@ -133,6 +174,61 @@ def test_resume_is_exact(data, tmp_path):
     assert abs(log(a)[-1]["val_loss"] - log(b)[-1]["val_loss"]) < 1e-6
 
 
+def test_resume_runs_this_commands_settings_and_records_what_ran(data, tmp_path):
+    """Resuming with other optimizer settings must run them: load_state_dict used to bring
+    back the checkpoint's weight_decay and betas while the new checkpoint's config claimed the
+    new ones. Also: the recorded block_size is the model's (from the checkpoint), not the
+    command line's, and log.jsonl's token count adds up across a change of batch size."""
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32",
+              "--eval_interval=4"]
+    train(*common, "--max_iters=4")
+    train(*common, "--max_iters=6", "--init_from=resume", "--weight_decay=0.5", "--beta2=0.5",
+          "--batch_size=8", "--block_size=16")
+    ck = load(out)
+    decay, no_decay = ck["optimizer"]["param_groups"]
+    assert decay["weight_decay"] == 0.5 and no_decay["weight_decay"] == 0.0
+    assert tuple(decay["betas"]) == tuple(no_decay["betas"]) == (0.9, 0.5)
+    assert ck["config"]["block_size"] == ck["model_args"]["block_size"] == 32
+    assert ck["config"]["batch_size"] == 8
+    assert log(out)[-1]["iter"] == 6 and log(out)[-1]["tokens"] == 4 * 4 * 32 + 2 * 8 * 32
+    assert ck["tokens"] == log(out)[-1]["tokens"]
+
+
+def test_truncated_checkpoint_is_a_one_line_error(data, tmp_path):
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY]
+    train(*common, "--max_iters=2")
+    path = os.path.join(out, "ckpt.pt")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    r = train(*common, "--max_iters=4", "--init_from=resume", check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("error: cannot load") and "ckpt.pt" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_restart_never_resumes_another_runs_checkpoint(data, tmp_path):
+    """out_dir holds an older run's checkpoint (another shape). A new torchrun job crashes
+    before its first save and restarts: it must start its own run again, not resume the old
+    one. The old checkpoint and log are moved aside, not deleted."""
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2", "--n_embd=48")
+    old = load(out)
+    r = torchrun(1, f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=4",
+                 "--eval_interval=2", restarts=1, ROFORMER_CRASH_AT="1:0")
+    assert "resuming" not in r.stdout and "moved it to" in r.stdout
+    new = load(out)
+    assert new["model_args"]["n_embd"] == 32 and new["iter_num"] == 4
+    assert new["run_id"] != old["run_id"]
+    aside = glob.glob(os.path.join(out, "ckpt.*.pt"))
+    assert len(aside) == 1 and max_diff(torch.load(aside[0], weights_only=True)["model"],
+                                        old["model"]) == 0
+    assert len(glob.glob(os.path.join(out, "log.*.jsonl"))) == 1
+    assert [row["iter"] for row in log(out)] == [0, 2, 4]
+
+
 @pytest.fixture(scope="module")
 def one_process(data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("one"))
@@ -150,8 +246,19 @@ def test_ddp_two_ranks_match_one_process(data, one_process, tmp_path):
     rank runs global micro-step rank*1 + 0, and the gradient average is the same 1/G mean.
     (Not bit-equal: torchrun runs one thread per worker and all-reduce sums in another order.)"""
     out = str(tmp_path / "ddp")
-    torchrun(2, f"--data_dir={data}", f"--out_dir={out}", *DDP_ARGS)
+    r = torchrun(2, f"--data_dir={data}", f"--out_dir={out}", *DDP_ARGS)
     ref, got = log(one_process), log(out)
+    # MFU is per device: model FLOPs of all ranks per second / ranks / one device's peak. It
+    # used to divide all ranks' FLOPs by one GPU's peak (N times too high on N GPUs).
+    peak = float(r.stdout.split("MFU: against ")[1].split()[0]) * 1e12
+    last = [ln for ln in r.stdout.splitlines() if ln.startswith("iter 8/8:")][0]
+    tok_s = float(re.search(r"tok/s ([\d,]+)", last).group(1).replace(",", ""))
+    mfu = float(last.split("mfu ")[1].split("%")[0])
+    sys.path.insert(0, ROOT)
+    from model import RoFormer, RoFormerConfig
+    fpt = RoFormer(RoFormerConfig(vocab_size=V, block_size=32, n_layer=2, n_head=2,
+                                  n_embd=32)).flops_per_token(32)
+    assert abs(mfu - 100 * fpt * tok_s / 2 / peak) < 0.06 + 0.01 * mfu, last
     assert [r["iter"] for r in got] == [r["iter"] for r in ref] == [0, 4, 8]
     for r, g in zip(ref, got):
         assert abs(r["val_loss"] - g["val_loss"]) < 1e-5
@@ -190,6 +297,38 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     ck = load(out)
     assert 0 < ck["iter_num"] < 100000
     assert log(out)[-1]["iter"] == ck["iter_num"]  # the final state was evaluated too
+
+
+def test_sigterm_saves_before_evaluating(data, tmp_path):
+    """torchrun (and SLURM, Kubernetes) kill a worker some 30 s after SIGTERM, and a real
+    evaluation can take longer than that, so the checkpoint must be written first. Here the
+    evaluation is made long (20,000 batches) and the process is killed 8 s after SIGTERM:
+    the step it stopped at must be on disk."""
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--eval_interval=100000"]
+    train(*common, "--max_iters=2")
+    # resumed, so no evaluation runs at the start; one plain progress line per iteration
+    p = subprocess.Popen([sys.executable, TRAIN, *common, "--max_iters=100000",
+                          "--init_from=resume", "--eval_iters=20000", "--log_interval=1"],
+                         cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # wait until training is under way
+            if select.select([p.stdout], [], [], 1.0)[0] and p.stdout.readline().startswith(
+                    "iter 5/"):
+                break
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=8)
+        except subprocess.TimeoutExpired:
+            p.kill()  # the grace period is over
+            p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.stdout.close()
+    assert load(out)["iter_num"] >= 5
 
 
 def test_nan_loss_keeps_last_checkpoint(data, tmp_path):
