@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from configurator import ConfigError, configure, cuda_autocast_dtype, file_sha256
-from model import RoFormer, RoFormerConfig
+from checkpoint import describe, load_run, pick_device
+from configurator import ConfigError, configure
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -70,38 +70,6 @@ class TextStream:
         return rest
 
 
-def load_tokenizer(info, override):
-    """The checkpoint's sentencepiece model: the explicit --tokenizer path, else the recorded
-    absolute path, else data/<dataset>/tokenizer.model next to this script. The first file
-    whose sha256 matches the checkpoint wins; a different tokenizer would silently turn the
-    model's ids into the wrong text."""
-    try:  # imported here: only checkpoints with a tokenizer need it
-        import sentencepiece as spm
-    except ImportError:
-        sys.exit("error: sampling this checkpoint needs sentencepiece: pip install sentencepiece")
-    if not isinstance(info, dict) or not info.get("sha256"):
-        if not override:  # trained from a dataset without tokenizer.model: nothing to check
-            sys.exit("error: the checkpoint records no tokenizer; pass --tokenizer=PATH")
-        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
-              file=sys.stderr)
-        return spm.SentencePieceProcessor(model_file=override)
-    repo = os.path.dirname(os.path.abspath(__file__))
-    candidates = [override] if override else [
-        info.get("path", ""), os.path.join(repo, "data", str(info.get("dataset")), "tokenizer.model")]
-    mismatched = []
-    for path in candidates:
-        if path and os.path.isfile(path):
-            if file_sha256(path) == info["sha256"]:
-                return spm.SentencePieceProcessor(model_file=path)
-            mismatched.append(path)
-    if mismatched:
-        sys.exit(f"error: tokenizer {mismatched[0]} does not match the checkpoint (sha256 differs "
-                 f"from {info['sha256'][:12]}...); it was retrained since, so rebuild that dataset "
-                 f"or pass the original with --tokenizer=PATH")
-    sys.exit(f"error: tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
-             f"dataset '{info.get('dataset')}' again or pass --tokenizer=PATH")
-
-
 def main(argv):
     names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
              "seed", "device", "dtype", "use_cache", "stop_at_eos", "rope_scaling", "rope_factor",
@@ -119,14 +87,7 @@ def main(argv):
         sys.exit(f"error: top_p must be in (0, 1] (1 turns it off), got {cfg['top_p']}")
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
         sys.exit("error: num_samples and max_new_tokens must be >= 1")
-    if cfg["device"] == "auto":
-        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(cfg["device"])
-    if cfg["dtype"] == "auto":
-        # bf16 weights on CPU: measured in bench/decode.py, see the README
-        cfg["dtype"] = cuda_autocast_dtype() if dev.type == "cuda" else "float32"
-    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
-        sys.exit(f"error: dtype must be auto, float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    dev, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
     start_text = cfg["start"]
     if start_text.startswith("FILE:"):
         try:
@@ -135,41 +96,10 @@ def main(argv):
         except (OSError, UnicodeDecodeError) as e:
             sys.exit(f"error: cannot read the prompt file {start_text[5:]}: {e}")
 
-    # --- checkpoint and model ------------------------------------------------------------
-    if not os.path.isdir(cfg["out_dir"]):
-        sys.exit(f"error: out_dir {cfg['out_dir']!r} does not exist (train first, or pass "
-                 f"--out_dir=DIR)")
-    ckpt_path = os.path.join(cfg["out_dir"], "ckpt.pt")
-    if not os.path.isfile(ckpt_path):
-        sys.exit(f"error: no checkpoint at {ckpt_path}")
-    try:
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        model_args = dict(ckpt["model_args"])
-    except Exception as e:  # a truncated or foreign file: say which file, not a traceback
-        sys.exit(f"error: cannot load {ckpt_path}: {str(e).splitlines()[0]}")
-    # context extension is a property of the rotation only, so it can change after training
-    if cfg["rope_scaling"] or cfg["rope_factor"]:
-        if model_args.get("pos_encoding") != "rope":
-            sys.exit(f"error: rope_scaling applies to RoPE models; this one uses "
-                     f"pos_encoding={model_args.get('pos_encoding')!r}")
-        model_args["rope_scaling"] = cfg["rope_scaling"] or model_args["rope_scaling"]
-        model_args["rope_factor"] = cfg["rope_factor"] or model_args["rope_factor"]
-        if model_args["rope_scaling"] == "none" and model_args["rope_factor"] != 1.0:
-            sys.exit("error: rope_factor needs --rope_scaling=linear or --rope_scaling=ntk")
-    try:
-        model = RoFormer(RoFormerConfig(**model_args))
-    except (TypeError, ValueError) as e:
-        sys.exit(f"error: model config: {e}")
-    model.load_state_dict(ckpt["model"])
-    model.eval().to(device=dev, dtype=getattr(torch, cfg["dtype"]))
-    sp = load_tokenizer(ckpt.get("tokenizer"), cfg["tokenizer"])
-    if sp.get_piece_size() > model.config.vocab_size:
-        sys.exit(f"error: tokenizer has {sp.get_piece_size()} pieces, the model only "
-                 f"{model.config.vocab_size}")
-    print(f"{ckpt_path}: iter {ckpt.get('iter_num')}, val loss {ckpt.get('best_val_loss', float('nan')):.4f}, "
-          f"{model.num_params() / 1e6:.2f}M params, {model_args['attention']} attention, "
-          f"{model_args['pos_encoding']} positions, rope_scaling {model_args['rope_scaling']} "
-          f"x{model_args['rope_factor']:g}; {dev} {cfg['dtype']}", file=sys.stderr)
+    # --- checkpoint, model and tokenizer -----------------------------------------------
+    model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
+                               cfg["rope_scaling"], cfg["rope_factor"])
+    print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
 
     # --- prompt --------------------------------------------------------------------------
     ids = sp.encode(start_text)

@@ -1,0 +1,224 @@
+"""
+eval.py against independent references: the sliding window's coverage checked target by
+target, and the reported loss against a naive loop that runs the model once per scored token
+on exactly the context the window rule gives it (a closed form, not eval.py's loop). Also the
+shared loader's one-line errors (checkpoint.py). The run here is trained for a few steps with
+the real train.py on a corpus built with data/common.py, so its tokenizer has the settings of
+every real run (identity normalisation, no dummy prefix, byte fallback, "\\n" piece).
+test_export.py reuses `make_run`.
+"""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+spm = pytest.importorskip("sentencepiece")
+import eval as evalpy  # noqa: E402
+from data import common  # noqa: E402
+from model import RoFormer, RoFormerConfig  # noqa: E402
+
+BLOCK = 64
+from test_sample import ENV, one_thread  # noqa: E402,F401 (one thread for tiny models; autouse)
+
+
+def corpus_docs(n_docs=24, seed=0):
+    """Code and prose with runs of spaces and tabs, CJK, emoji and rare accented letters (which
+    reach the model as byte pieces)."""
+    rng = random.Random(seed)
+    words = "the value return self data token model print class import list error".split()
+    docs = []
+    for d in range(n_docs):
+        parts = []
+        for _ in range(rng.randint(6, 12)):
+            w = rng.choice(words)
+            indent = " " * rng.choice((0, 4, 8, 12)) + "\t" * rng.randint(0, 1)
+            parts.append(rng.choice((
+                f"def {w}_{rng.randint(0, 99)}(x):\n{indent}return {w}(x)  # {rng.randint(0, 999)}",
+                " ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + ".",
+                f"{w}: 世界 你好 {rng.choice('🙂😀🚀')}  café  ǅ{rng.randint(0, 9)}",
+                f"{indent}{w} = [{', '.join(str(rng.randint(0, 99)) for _ in range(4))}]")))
+        docs.append((f"doc{d:02d}", "\n".join(parts)))
+    return docs
+
+
+def make_run(root, iters=30, vocab_size=400, **train_args):
+    """data/ (via data/common.prepare) and out/ (train.py, a few steps) under root; returns
+    (out_dir, data_dir)."""
+    data, out = os.path.join(root, "data"), os.path.join(root, "out")
+    docs = [(name, (lambda t=t: t)) for name, t in corpus_docs()]
+    common.prepare(data, "tiny", docs, "test", vocab_size=vocab_size, val_fraction=0.2,
+                   min_val_tokens=3 * BLOCK, threads=1, log=lambda *a: None)
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, batch_size=8, max_iters=iters,
+                lr_decay_iters=iters, warmup_iters=2, eval_interval=iters, eval_iters=2,
+                learning_rate=1e-2, **train_args)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--data_dir={data}", "--dataset=tiny",
+           f"--out_dir={out}", "--device=cpu", "--dtype=float32", "--compile=False"]
+    cmd += [f"--{k}={v}" for k, v in args.items()]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out, data
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    out, data = make_run(str(root))
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    model = RoFormer(RoFormerConfig(**ckpt["model_args"])).eval()
+    model.load_state_dict(ckpt["model"])
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(data, "tokenizer.model"))
+    # a text of ~5 blocks, and a short one (one window)
+    text = "\n\n".join(t for _, t in corpus_docs(8, seed=1))
+    (root / "long.txt").write_text(text, encoding="utf-8")
+    (root / "short.txt").write_text("def f(x):\n    return  x  # 世界 🙂\n", encoding="utf-8")
+    return {"root": root, "out": out, "data": data, "model": model, "sp": sp}
+
+
+def naive_nats(logits_fn, ids, block, stride):
+    """Sum of -log p over targets 1..n-1, each computed alone: target t is scored by window
+    k = max(0, ceil((t - block) / stride)), the first whose end reaches it, so its context is
+    ids[k * stride : t]."""
+    total = 0.0
+    for t in range(1, len(ids)):
+        k = max(0, -(-(t - block) // stride))
+        logits = logits_fn(ids[k * stride:t])
+        total -= torch.log_softmax(logits.double(), -1)[ids[t]].item()
+    return total
+
+
+def json_eval(capsys, *args):
+    capsys.readouterr()
+    evalpy.main([*args, "--json"])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def one_line_error(fn, *args):
+    """The message of the sys.exit that fn(*args) must end in: one line, 'error: ...'."""
+    with pytest.raises(SystemExit) as e:
+        fn(*args)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def err(*args):
+    return one_line_error(evalpy.main, list(args))
+
+
+# --- the window -------------------------------------------------------------------------------
+
+def test_windows_score_every_target_once_with_enough_context():
+    for n in [1, 2, 3, 10, 63, 64, 65, 66, 200, 1000]:
+        for block, stride in [(64, 32), (64, 64), (64, 1), (64, 48), (8, 3), (1, 1)]:
+            ws = evalpy.windows(n, block, stride)
+            scored = []
+            for i, (start, end, first) in enumerate(ws):
+                assert end - start <= block and start == i * stride
+                for t in range(first, end + 1):
+                    scored.append(t)
+                    if i > 0:  # past the first window: at least block - stride of context
+                        assert t - start >= block - stride
+            assert scored == list(range(1, n)), (n, block, stride)
+
+
+# --- the numbers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stride", [0, 17, BLOCK])
+def test_loss_equals_naive_per_token_reference(run, capsys, stride):
+    """Two files (one of ~5 blocks, one shorter than a window), batch 3 so batches mix files
+    and padded last windows: nats/token, perplexity, bpb, token and byte counts."""
+    files = [run["root"] / "long.txt", run["root"] / "short.txt"]
+    r = json_eval(capsys, f"--out_dir={run['out']}", f"--input={files[0]},{files[1]}",
+                  f"--stride={stride}", "--batch_size=3")
+    sp, model, s = run["sp"], run["model"], stride or BLOCK // 2
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    nats = 0.0
+    with torch.no_grad():
+        for t in texts:
+            ids = [sp.eos_id()] + sp.encode(t)
+            nats += naive_nats(lambda ctx: model(torch.tensor([ctx]))[0][0, -1], ids, BLOCK, s)
+    tokens = sum(len(sp.encode(t)) for t in texts)
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    assert tokens > 4 * BLOCK
+    assert (r["tokens"], r["bytes"], r["stride"]) == (tokens, nbytes, s)
+    assert r["nats_per_token"] == pytest.approx(nats / tokens, rel=1e-5)
+    assert r["perplexity"] == pytest.approx(math.exp(nats / tokens), rel=1e-5)
+    assert r["bits_per_byte"] == pytest.approx(nats / math.log(2) / nbytes, rel=1e-5)
+
+
+def test_split_val_scores_the_whole_val_bin(run, capsys):
+    """With stride = block_size the windows are disjoint blocks: the reference is the model's
+    own loss on consecutive chunks of [eos] + val.bin."""
+    r = json_eval(capsys, f"--out_dir={run['out']}", "--split=val", f"--stride={BLOCK}")
+    val = np.fromfile(os.path.join(run["data"], "val.bin"), dtype=np.uint16).astype(np.int64)
+    ids = torch.from_numpy(np.concatenate(([run["sp"].eos_id()], val)))
+    nats = 0.0
+    with torch.no_grad():
+        for i in range(0, len(ids) - 1, BLOCK):
+            x, y = ids[i:i + BLOCK], ids[i + 1:i + BLOCK + 1]
+            nats += run["model"](x[None, :len(y)], y[None])[1].double().item() * len(y)
+    assert r["tokens"] == len(val)
+    assert r["bytes"] == len(run["sp"].decode(val.tolist()).encode("utf-8"))
+    assert r["nats_per_token"] == pytest.approx(nats / len(val), rel=1e-5)
+
+
+def test_bfloat16_is_close_to_float32(run, capsys):
+    a = (f"--out_dir={run['out']}", f"--input={run['root'] / 'long.txt'}")
+    fp32 = json_eval(capsys, *a, "--dtype=float32")
+    bf16 = json_eval(capsys, *a, "--dtype=bfloat16")
+    assert bf16["dtype"] == "bfloat16" and bf16["tokens"] == fp32["tokens"]
+    assert bf16["bits_per_byte"] == pytest.approx(fp32["bits_per_byte"], rel=2e-2)
+
+
+def test_table_output(run, capsys):
+    capsys.readouterr()
+    evalpy.main([f"--out_dir={run['out']}", f"--input={run['root'] / 'short.txt'}"])
+    out, errtext = capsys.readouterr()
+    assert "bits/byte" in out and "nats/token" in out and "perplexity" in out
+    assert "ckpt.pt: iter 30" in errtext
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def test_argument_and_input_errors(run, tmp_path):
+    o = f"--out_dir={run['out']}"
+    assert "either --input" in err(o)
+    assert "either --input" in err(o, "--split=val", f"--input={run['root'] / 'short.txt'}")
+    assert "split must be" in err(o, "--split=test")
+    assert "does not exist" in err(o, f"--input={tmp_path / 'missing.txt'}")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert "not valid UTF-8" in err(o, f"--input={tmp_path / 'latin1.txt'}")
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty" in err(o, f"--input={tmp_path / 'empty.txt'}")
+    assert "stride" in err(o, "--split=val", f"--stride={BLOCK + 1}")
+    assert "dtype" in err(o, "--split=val", "--dtype=int8")
+    assert "unknown config key 'strde'" in err(o, "--strde=3")
+
+
+def test_loader_errors(run, tmp_path):
+    """checkpoint.load_run, shared with sample.py and export.py: missing folder or file, a
+    truncated file, weights that do not fit, a tokenizer retrained since."""
+    a = ("--split=val",)
+    assert "does not exist" in err(f"--out_dir={tmp_path / 'nope'}", *a)
+    assert "no checkpoint" in err(f"--out_dir={tmp_path}", *a)
+    raw = open(os.path.join(run["out"], "ckpt.pt"), "rb").read()
+    (tmp_path / "trunc").mkdir()
+    (tmp_path / "trunc" / "ckpt.pt").write_bytes(raw[:len(raw) // 2])
+    assert "cannot load" in err(f"--out_dir={tmp_path / 'trunc'}", *a)
+    ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
+    (tmp_path / "shape").mkdir()
+    torch.save(dict(ckpt, model_args=dict(ckpt["model_args"], n_embd=64)),
+               tmp_path / "shape" / "ckpt.pt")
+    assert "do not fit" in err(f"--out_dir={tmp_path / 'shape'}", *a)
+    other = tmp_path / "other.model"
+    lines = [t for _, t in corpus_docs(4, seed=3)]
+    other.write_bytes(common.train_tokenizer(lines, 350, "bpe", 1)[0])
+    assert "does not match" in err(f"--out_dir={run['out']}", *a, f"--tokenizer={other}")

@@ -1,0 +1,251 @@
+"""
+export.py against independent references: transformers' own GPTNeoXForCausalLM loaded from
+the exported folder (its logits, its greedy generate) against our model, the exported
+tokenizer loaded by AutoTokenizer against sentencepiece, and eval.py's bits per byte against
+one computed from the exported model's logits and tokenizer alone.
+"""
+import json
+import math
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+spm = pytest.importorskip("sentencepiece")
+pytest.importorskip("safetensors", reason="export.py writes model.safetensors with safetensors")
+pytest.importorskip("tokenizers", reason="export.py builds tokenizer.json with tokenizers")
+transformers = pytest.importorskip("transformers", reason="the exported folder is checked by "
+                                   "loading it with transformers")
+import eval as evalpy  # noqa: E402
+import export  # noqa: E402
+from data import common  # noqa: E402
+from model import RoFormer, RoFormerConfig  # noqa: E402
+from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402
+                       one_thread)  # noqa: F401 (an autouse fixture)
+
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A briefly trained run, exported (without the built-in check) and loaded back."""
+    root = tmp_path_factory.mktemp("export")
+    out, data = make_run(str(root))
+    export.main([f"--out_dir={out}", "--check=False"])
+    hf_dir = os.path.join(out, "hf")
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    model = RoFormer(RoFormerConfig(**ckpt["model_args"])).eval()
+    model.load_state_dict(ckpt["model"])
+    return {"root": root, "out": out, "data": data, "hf_dir": hf_dir, "ckpt": ckpt,
+            "model": model, "hf": load_hf(hf_dir),
+            "sp": spm.SentencePieceProcessor(model_file=os.path.join(data, "tokenizer.model")),
+            "tok": transformers.AutoTokenizer.from_pretrained(hf_dir)}
+
+
+def load_hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def err(*args):
+    return one_line_error(export.main, list(args))
+
+
+def save_run(folder, ckpt, model_args, state):
+    """A checkpoint like train.py's (the run's tokenizer identity) with other weights."""
+    os.makedirs(folder, exist_ok=True)
+    torch.save(dict(ckpt, model_args=model_args, model=state), os.path.join(folder, "ckpt.pt"))
+    return str(folder)
+
+
+def max_logit_diff(model, hf, seed=0):
+    """On random ids of full block length, batch 2."""
+    c = model.config
+    idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return (hf(idx).logits - model(idx)[0]).abs().max().item()
+
+
+# --- the model --------------------------------------------------------------------------------
+
+def test_folder_config_and_tied_head(run):
+    files = set(os.listdir(run["hf_dir"]))
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= files
+    with open(os.path.join(run["hf_dir"], "config.json")) as f:
+        conf = json.load(f)
+    assert conf["architectures"] == ["GPTNeoXForCausalLM"] and conf["tie_word_embeddings"]
+    hf = run["hf"]
+    assert type(hf).__name__ == "GPTNeoXForCausalLM"
+    assert hf.config.use_parallel_residual is False and hf.config.layer_norm_eps == 1e-5
+    # the head is the embedding (not a random matrix the loader made up)
+    assert torch.equal(hf.get_output_embeddings().weight, run["model"].wte.weight)
+    assert hf.generation_config.eos_token_id == run["sp"].eos_id()
+
+
+@pytest.mark.parametrize("scaling,factor,bias", [("none", 1.0, False), ("linear", 2.0, False),
+                                                 ("ntk", 4.0, False), ("none", 1.0, True)])
+def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling, factor, bias):
+    """Fresh weights, made sharp (q/k x10) so positions steer the output, random biases and
+    LayerNorm gains when bias=True: HF logits equal ours within 1e-4, and greedy decoding
+    gives the same 32 tokens."""
+    args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, bias=bias, rope_scaling=scaling,
+                rope_factor=factor)
+    torch.manual_seed(1)
+    model = RoFormer(RoFormerConfig(**args)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_attn.weight"):
+                p[:2 * args["n_embd"]] *= 10.0
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            elif bias and name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                p.add_(torch.randn_like(p) * 0.1)
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    export.main([f"--out_dir={out}", "--check=False"])
+    hf = load_hf(os.path.join(out, "hf"))
+    assert max_logit_diff(model, hf) < 1e-4
+    if scaling != "none":  # the scaling matters on this model, so dropping it would show
+        plain = RoFormer(RoFormerConfig(**dict(args, rope_scaling="none", rope_factor=1.0))).eval()
+        plain.load_state_dict(model.state_dict())
+        assert max_logit_diff(plain, hf) > 1e-2
+    prompt = torch.randint(0, args["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
+    ours = model.generate(prompt, 32, temperature=0)
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
+                         pad_token_id=run["sp"].eos_id())
+    assert torch.equal(ours, theirs)
+
+
+def test_trained_run_logits_and_greedy_generation_match(run):
+    model, hf = run["model"], run["hf"]
+    assert max_logit_diff(model, hf, seed=3) < 1e-4
+    prompt = torch.tensor([run["sp"].encode("def value_1(x):\n    return")])
+    ours = model.generate(prompt, 32, temperature=0)
+    # min_new_tokens would ban EOS; eos_token_id=None lets both run 32 tokens unhindered
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
+                         pad_token_id=run["sp"].eos_id())
+    assert theirs.shape == (1, prompt.size(1) + 32)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_builtin_check_reports_a_match(run, capsys, tmp_path, dtype):
+    """export.py's own check (transformers vs our model with the same rounded weights)."""
+    export.main([f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'hf'}", f"--dtype={dtype}"])
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == dtype
+    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("check:")][0]
+    diff = float(line.split("difference| ")[1].split()[0])
+    n = line.split("sentencepiece on ")[1].split()[0]
+    assert diff < 1e-4 and n.split("/")[0] == n.split("/")[1] and int(n.split("/")[1]) > 10
+
+
+# --- the tokenizer ----------------------------------------------------------------------------
+
+def tricky_texts(seed=0, n_random=1500):
+    """Runs of 1-40 spaces, tabs and newlines, CJK, emoji, characters outside the vocabulary
+    (byte pieces), digits, and text that looks like special pieces, alone and mixed."""
+    texts = []
+    for n in range(1, 41):
+        texts += [" " * n, "x" + " " * n + "y", "\n" + " " * n + "return x", "\t" * n,
+                  "\n" * n, " \t" * (n // 2 + 1), "a" * n, "9" * n, "def" + " " * n]
+    texts += ["世界你好，中文字符。", "🙂", "a🙂b 🚀🚀", "ǅ", "\x00\x01", "\u2028", "𝔘𝔫𝔦", "café",
+              "<s>", "</s>", "<unk>", "<0x41>", "x<s>y</s>", " <s> ", "12,345.678"]
+    rng = random.Random(seed)
+    alphabet = list("abcdefxyz_()[]{}:.,=+-*/#'\"0123456789") + [" "] * 12 + \
+        ["\t", "\n", "\n", "世", "界", "🙂", "é", "λ", "ǅ", "\u2028", "<s>", "</s>", "<unk>"]
+    for _ in range(n_random):
+        texts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 50))))
+    for _, doc in corpus_docs(6, seed=2):
+        texts += doc.split("\n") + [doc]
+    return texts
+
+
+def assert_same_as_sentencepiece(tok, sp, texts):
+    bad = [t for t in texts if tok(t).input_ids != sp.encode(t)]  # default: special tokens on
+    assert not bad, f"{len(bad)} of {len(texts)} differ, e.g. {bad[0]!r}: " \
+                    f"{tok(bad[0]).input_ids} vs {sp.encode(bad[0])}"
+    undecoded = [t for t in texts if tok.decode(tok(t).input_ids) != t]
+    assert not undecoded, f"{undecoded[0]!r} decodes to {tok.decode(tok(undecoded[0]).input_ids)!r}"
+
+
+def test_tokenizer_gives_sentencepiece_ids_and_decodes_back(run):
+    tok, sp = run["tok"], run["sp"]
+    assert type(tok).__name__ != "GPTNeoXTokenizerFast"
+    assert tok.eos_token == "</s>" and tok.eos_token_id == sp.eos_id() and tok.bos_token is None
+    texts = tricky_texts()
+    assert any(sp.is_byte(i) for t in texts for i in sp.encode(t))  # byte fallback exercised
+    assert len(sp.encode(" " * 40)) < 40  # space runs are merged pieces, so merges are tested
+    assert_same_as_sentencepiece(tok, sp, texts)
+    assert tok("x", add_special_tokens=True).input_ids == sp.encode("x")  # no BOS added
+    assert sp.piece_to_id("<s>") not in tok("<s>").input_ids  # typed "<s>" stays text
+
+
+def test_char_tokenizer_and_unigram_refusal(run, tmp_path):
+    """data/text/prepare.py also trains char tokenizers (shakespeare_char): same checks. A
+    unigram one is refused with one line (its ids would differ on runs of spaces)."""
+    lines = [l for _, d in corpus_docs() for l in d.split("\n") if l.strip()]
+    sp = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 0, "char", 1)[0])
+    path = tmp_path / "hf"
+    path.mkdir()
+    export.hf_tokenizer(sp).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(export.tokenizer_config(sp, BLOCK)))
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert_same_as_sentencepiece(tok, sp, tricky_texts(seed=1, n_random=500))
+    uni = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 330, "unigram", 1)[0])
+    assert "unigram" in one_line_error(export.hf_tokenizer, uni)
+
+
+# --- eval.py and the exported model agree on bits per byte -----------------------------------
+
+def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
+    text = "\n\n".join(t for _, t in corpus_docs(6, seed=4))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    capsys.readouterr()
+    evalpy.main([f"--out_dir={run['out']}", f"--input={tmp_path / 't.txt'}", "--json"])
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    tok, hf = run["tok"], run["hf"]
+    ids = [tok.eos_token_id] + tok(text).input_ids
+    assert len(ids) > 3 * BLOCK
+    with torch.no_grad():
+        nats = naive_nats(lambda ctx: hf(torch.tensor([ctx])).logits[0, -1], ids, BLOCK, BLOCK // 2)
+    bpb = nats / math.log(2) / len(text.encode("utf-8"))
+    assert ours["tokens"] == len(ids) - 1
+    assert abs(ours["bits_per_byte"] - bpb) < 1e-4
+
+
+# --- refusals and errors ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,reason", [({"attention": "linear"}, "linear attention"),
+                                           ({"pos_encoding": "sinusoidal"}, "only through RoPE"),
+                                           ({"pos_encoding": "none"}, "only through RoPE"),
+                                           ({"pos_encoding": "learned"}, "GPT-2")])
+def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, reason):
+    args = dict(run["ckpt"]["model_args"], **change)
+    out = save_run(tmp_path / "out", run["ckpt"], args, RoFormer(RoFormerConfig(**args)).state_dict())
+    msg = err(f"--out_dir={out}", "--check=False")
+    assert reason in msg and "cannot export" in msg
+    assert not os.path.exists(tmp_path / "out" / "hf")
+
+
+def test_any_other_position_encoding_is_refused():
+    """Checked by value: encodings model.py may gain later (alibi, t5, ...) are refused too."""
+    for pos in ("alibi", "t5", "shaw", "something"):
+        assert "only through RoPE" in export.refusal(SimpleNamespace(attention="softmax",
+                                                                     pos_encoding=pos))
+    assert export.refusal(SimpleNamespace(attention="softmax", pos_encoding="rope")) is None
+
+
+def test_missing_packages_and_bad_arguments(run, monkeypatch):
+    o = f"--out_dir={run['out']}"
+    assert "dtype" in err(o, "--dtype=int8")
+    assert "unknown config key" in err(o, "--hf=x")
+    for package in ("safetensors", "transformers", "tokenizers"):
+        with monkeypatch.context() as m:
+            for name in [n for n in sys.modules if n.split(".")[0] == package]:
+                m.setitem(sys.modules, name, None)  # importing it now raises ImportError
+            assert f"'{package}' package" in err(o)
