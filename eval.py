@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from checkpoint import dataset_dir, describe, load_run, pick_device
 from configurator import ConfigError, configure
-from data.common import PrepareError, find_files, read_utf8, tqdm
+from data.common import PrepareError, find_files, tqdm
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -101,9 +101,13 @@ def main(argv):
     if cfg["input"]:
         try:
             for name, path in find_files([p for p in cfg["input"].split(",") if p]):
-                texts.append((name, read_utf8(path, "fail")))
+                with open(path, encoding="utf-8") as f:
+                    texts.append((name, f.read()))
         except PrepareError as e:
             sys.exit(f"error: {e}")
+        except UnicodeDecodeError as e:
+            sys.exit(f"error: {path} is not valid UTF-8 (byte {e.object[e.start]:#04x} at "
+                     f"offset {e.start})")
         except OSError as e:
             sys.exit(f"error: cannot read {e.filename}: {e.strerror}")
         if not texts:

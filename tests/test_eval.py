@@ -53,9 +53,10 @@ def make_run(root, iters=30, vocab_size=400, **train_args):
     """data/ (via data/common.prepare) and out/ (train.py, a few steps) under root; returns
     (out_dir, data_dir)."""
     data, out = os.path.join(root, "data"), os.path.join(root, "out")
-    docs = [(name, (lambda t=t: t)) for name, t in corpus_docs()]
-    common.prepare(data, "tiny", docs, "test", vocab_size=vocab_size, val_fraction=0.2,
-                   min_val_tokens=3 * BLOCK, threads=1, log=lambda *a: None)
+    texts = [t for _, t in corpus_docs()]
+    common.prepare(data, "tiny", [("docs", "docs", lambda: texts)], "test",
+                   vocab_size=vocab_size, val_fraction=0.2, min_val_tokens=3 * BLOCK,
+                   num_proc=1, log=lambda *a: None)
     args = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, batch_size=8, max_iters=iters,
                 lr_decay_iters=iters, warmup_iters=2, eval_interval=iters, eval_iters=2,
                 learning_rate=1e-2, **train_args)
@@ -220,5 +221,5 @@ def test_loader_errors(run, tmp_path):
     assert "do not fit" in err(f"--out_dir={tmp_path / 'shape'}", *a)
     other = tmp_path / "other.model"
     lines = [t for _, t in corpus_docs(4, seed=3)]
-    other.write_bytes(common.train_tokenizer(lines, 350, "bpe", 1)[0])
+    other.write_bytes(common.train_tokenizer(lines, 350, "bpe")[0])
     assert "does not match" in err(f"--out_dir={run['out']}", *a, f"--tokenizer={other}")
