@@ -232,8 +232,18 @@ def load_checkpoint_state(ck, path, raw_model, optimizer):
             dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
         set_state_dict(raw_model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-    elif is_sharded(raw_model):
-        raise ValueError(f"{path} was written by a run without fsdp; resume it with fsdp=False")
+    elif is_sharded(raw_model):  # a DDP run's full state, cut into this rank's shards
+        # The file's optimizer state is keyed by position in the parameter groups; name the
+        # entries by parameter instead, the form the distributed loader understands.
+        names = {id(p): n for n, p in raw_model.named_parameters()}
+        saved = ck["optimizer"]
+        fqn = {i: names[id(p)] for g, cur in zip(saved["param_groups"], optimizer.param_groups)
+               for i, p in zip(g["params"], cur["params"])}
+        osd = {"state": {fqn[i]: v for i, v in saved["state"].items()},
+               "param_groups": [dict(g, params=[fqn[i] for i in g["params"]])
+                                for g in saved["param_groups"]]}
+        set_state_dict(raw_model, optimizer, model_state_dict=ck["model"], optim_state_dict=osd,
+                       options=StateDictOptions(full_state_dict=True))
     else:
         raw_model.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])

@@ -108,11 +108,18 @@ def test_stop_and_resume_is_exact(runs, data, tmp_path):
 def test_two_ranks_save_one_process_resumes(runs, data, tmp_path):
     """DCP reshards: the FSDP checkpoint of step 3, resumed by one plain process, continues
     exactly like a one-process run resumed from its own step-3 checkpoint: the same losses,
-    weights, and AdamW state (moments and step count)."""
+    weights, and AdamW state (moments and step count). And the other way round: that
+    one-process checkpoint resumed by 2 FSDP ranks."""
     ref, out = str(tmp_path / "ref"), str(tmp_path / "from_fsdp")
+    to_fsdp = str(tmp_path / "to_fsdp")
     common = [f"--data_dir={data}", *ARGS]
     train(*common, f"--out_dir={ref}", "--max_iters=3")
+    shutil.copytree(ref, to_fsdp)
     train(*common, f"--out_dir={ref}", "--max_iters=6", "--init_from=resume")
+    torchrun(2, *common, f"--out_dir={to_fsdp}", "--max_iters=6", "--init_from=resume",
+             "--fsdp=True")
+    assert_same_losses(ref, to_fsdp, range(7))
+    assert max_diff(load(ref)["model"], load(to_fsdp)["model"]) < TOL
     shutil.copytree(runs["fsdp3"], out)
     train(*common, f"--out_dir={out}", "--max_iters=6", "--init_from=resume")
     assert_same_losses(ref, out, range(7))
