@@ -49,8 +49,9 @@ def worker(args, mode, out):
     cfg = RoFormerConfig(**{k: args[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size",
                                                  "block_size")})
     base = torch.cuda.memory_allocated() if cuda else rss("VmRSS")
-    raw, model, _ = parallel.build_model(cfg, 1337, device, fsdp=mode == "fsdp", ddp=mode == "ddp",
-                                         param_dtype=torch.bfloat16 if bf16 and mode == "fsdp" else None)
+    raw, model, _ = parallel.build_model(
+        cfg, 1337, device, fsdp=mode == "fsdp", ddp=mode == "ddp",
+        param_dtype=torch.bfloat16 if bf16 and mode == "fsdp" else None)
     opt = raw.configure_optimizers(0.1, 1e-4, device_type=device.split(":")[0])
     # autocast for DDP's bf16, the mixed-precision policy for FSDP's (as train.py does)
     ac = torch.autocast(device.split(":")[0], torch.bfloat16, enabled=bf16 and mode == "ddp")
@@ -102,12 +103,12 @@ def main():
     print(f"{n / 1e6:.1f}M parameters, {args['nproc']} ranks on {args['device']}, "
           f"{args['dtype']}, batch {args['batch_size']} x {args['block_size']} per rank")
     print(f"{'mode':6} {'peak MiB/rank (max)':>20} {'bytes/param':>12} {'step s (median)':>16}")
-    for mode, rr in rows.items():
-        peak = max(r["peak"] for r in rr)
-        step = max(r["step"] for r in rr)
-        print(f"{mode:6} {peak / 2**20:>20.0f} {peak / n:>12.1f} {step:>16.3f}")
-    print(f"fsdp/ddp: memory {max(r['peak'] for r in rows['fsdp']) / max(r['peak'] for r in rows['ddp']):.2f}x, "
-          f"step time {max(r['step'] for r in rows['fsdp']) / max(r['step'] for r in rows['ddp']):.2f}x")
+    peak = {m: max(r["peak"] for r in rr) for m, rr in rows.items()}  # the worst rank
+    step = {m: max(r["step"] for r in rr) for m, rr in rows.items()}
+    for m in rows:
+        print(f"{m:6} {peak[m] / 2**20:>20.0f} {peak[m] / n:>12.1f} {step[m]:>16.3f}")
+    print(f"fsdp/ddp: memory {peak['fsdp'] / peak['ddp']:.2f}x, "
+          f"step time {step['fsdp'] / step['ddp']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -180,7 +180,8 @@ def test_meta_build_equals_a_normal_build(pos_encoding, attention):
         if r.std() == 0:
             assert torch.equal(r, g), k
         else:
-            assert abs(g.std() / r.std() - 1) < 0.1 and abs(g.mean()) < 3 * r.std() / r.numel() ** 0.5, k
+            assert abs(g.std() / r.std() - 1) < 0.1, k
+            assert abs(g.mean()) < 4 * r.std() / r.numel() ** 0.5, k
     # the weights depend on the seed only
     again, _, _ = parallel.build_model(cfg, 1337, "cpu")
     assert max_diff(got.state_dict(), again.state_dict()) == 0
