@@ -39,9 +39,9 @@ def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, co
     the module to train (compiled, DDP- or FSDP-wrapped) and the one to evaluate.
 
     The model is built on the meta device (shapes only), sharded if fsdp, and only then
-    given memory on `device` and initialised, so no rank ever holds more than its shard plus
-    one full parameter. The same path serves every mode, so one process, DDP and FSDP start
-    from the same weights."""
+    given memory on `device` and initialised, so with FSDP no rank ever holds more than its
+    shard plus one full parameter. The same path serves every mode, so one process, DDP and
+    FSDP start from the same weights."""
     with torch.device("meta"):
         raw = RoFormer(mconf)
     if activation_checkpointing:
