@@ -81,7 +81,9 @@ def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
     """
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    # on the CPU, like pos below, also when the model is built under torch.device("meta")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+                        / head_dim)
     pos = pos.to(torch.float64).cpu()
     if scaling == "linear":
         pos = pos / factor
@@ -109,7 +111,7 @@ def sinusoidal_embedding(pos, dim):
     an RMS of 0.02, the init scale of the token (and learned position) embeddings it is added
     to: unscaled sin/cos (RMS 0.71) would drown the tokens 35 to 1 at init, which handicaps
     the baseline rather than testing it. (The original scales tokens up by sqrt(d) instead.)"""
-    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
     ang = pos.cpu().double()[:, None] * inv_freq  # on the CPU: some devices lack float64
     table = torch.cat((ang.sin(), ang.cos()), dim=-1) * SINUSOIDAL_SCALE
     return table.float()
@@ -299,7 +301,9 @@ class RoFormer(nn.Module):
         c = self.config
         have = self.rope_cos if c.pos_encoding == "rope" else self.sin_emb
         if have.size(0) < n or have.dtype != torch.float32:
-            pos = torch.arange(max(n, c.block_size, 2 * have.size(0)))
+            # On the CPU explicitly (float64 exists there on every machine): a model built under
+            # torch.device("meta") still gets real tables, which its materialisation carries over.
+            pos = torch.arange(max(n, c.block_size, 2 * have.size(0)), device="cpu")
             if c.pos_encoding == "rope":
                 cos, sin = rope_table(pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling,
                                       c.rope_factor)

@@ -4,6 +4,7 @@ Train a RoFormer language model. One script for a laptop CPU and for a GPU clust
     python train.py config/small.py                       # one process, device picked for you
     python train.py config/small.py --batch_size=8 --compile=False
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py   # DDP, one node
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True  # sharded
 
 Configuration: the module-level variables below are the defaults; config files (plain Python)
 and then --key=value arguments override them (configurator.py). Every field of RoFormerConfig
@@ -31,9 +32,10 @@ import uuid
 import numpy as np
 import torch
 
+import parallel
 from configurator import (ConfigError, configure, cpu_has_bf16, cuda_autocast_dtype, file_sha256,
                           gpu_peak_flops)
-from model import RoFormer, RoFormerConfig
+from model import RoFormerConfig
 
 # ----------------------------------------------------------------------------------------
 # defaults
@@ -84,11 +86,15 @@ device = "auto"              # "auto" | "cpu" | "cuda" | "cuda:1" | "mps"
 dtype = "auto"               # "auto" | "float32" | "bfloat16" | "float16"
 compile = True               # torch.compile the model (--compile=False always works)
 seed = 1337
+# under torchrun: shard weights, gradients and optimizer over the ranks with FSDP2 (parallel.py)
+fsdp = False
+activation_checkpointing = False  # recompute each block's activations in backward: less memory
 
 MODEL_KEYS = [f.name for f in dataclasses.fields(RoFormerConfig)]
 # Keys that only say how long / how often: they may change on resume without breaking exactness.
 LOOP_KEYS = {"max_iters", "eval_interval", "eval_iters", "log_interval", "out_dir", "init_from",
-             "wandb_log", "wandb_project", "wandb_run_name", "compile", "device"}
+             "wandb_log", "wandb_project", "wandb_run_name", "compile", "device", "fsdp",
+             "activation_checkpointing"}
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
             and isinstance(v, (bool, int, float, str)) and k not in ("MODEL_KEYS",)}
 assert set(MODEL_KEYS) <= set(defaults), "a RoFormerConfig field has no training config key"
@@ -113,6 +119,11 @@ if dtype not in ("auto", "float32", "bfloat16", "float16"):
     fail(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
 if warmup_iters > lr_decay_iters:
     fail(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters ({lr_decay_iters})")
+if fsdp and int(os.environ.get("RANK", -1)) == -1:
+    fail("fsdp=True shards the model over processes: run under torchrun (--nproc_per_node=1 "
+         "works too)")
+if fsdp and dtype == "float16":
+    fail("fsdp=True supports dtype float32 and bfloat16, not float16")
 
 # ----------------------------------------------------------------------------------------
 # processes: torchrun sets RANK/WORLD_SIZE; otherwise a single process
@@ -170,7 +181,8 @@ if dtype == "bfloat16" and device_type == "cpu" and not cpu_has_bf16():
 if dtype == "float16" and device_type != "cuda":
     fail("dtype=float16 needs CUDA (its GradScaler); use bfloat16 or float32")
 ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-autocast = (contextlib.nullcontext() if dtype == "float32"
+# With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
+autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
             else torch.autocast(device_type=device_type, dtype=ptdtype))
 config.update(device=device, dtype=dtype)  # what actually ran, recorded in the checkpoint
 
@@ -253,7 +265,8 @@ run_id = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
 
 def load_checkpoint(path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # mmap: every rank reads the metadata; the weights are paged in only where needed
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated, or not a checkpoint: say which file, not a traceback
         fail(f"cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
@@ -312,11 +325,11 @@ except ValueError as e:
     fail(str(e))
 model_args = dataclasses.asdict(mconf)
 config.update(model_args)  # the checkpoint records the model that ran, not the command line
-torch.manual_seed(seed)  # the initial weights
-raw_model = RoFormer(mconf)
-if ckpt is not None:
-    raw_model.load_state_dict(ckpt["model"])
-raw_model.to(device)
+# built on the meta device, wrapped (DDP, or FSDP and sharded), then initialised from the seed
+raw_model, model, eval_model = parallel.build_model(
+    mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
+    param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
+    activation_checkpointing=activation_checkpointing)
 optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2),
                                            device_type)
 # fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
@@ -328,7 +341,10 @@ if ckpt is not None:
     # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
     # eps, fused, ...); this command's settings are the ones that must run, so put them back.
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(ckpt["optimizer"])
+    try:  # weights and optimizer state, from ckpt.pt or the DCP folder it names
+        parallel.load_checkpoint_state(ckpt, ckpt_path, raw_model, optimizer)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
     for group, kept in zip(optimizer.param_groups, settings):
         group.update(kept)
     if scaler is not None and ckpt.get("scaler"):
@@ -343,15 +359,6 @@ if ckpt is not None:
     del ckpt
 start_iter = iter_num
 resumed = init_from == "resume"
-
-model = torch.compile(raw_model) if compile else raw_model
-eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
-if ddp:
-    # broadcast_buffers=False: the only buffers are the RoPE tables, built identically on every
-    # rank, so re-sending them from rank 0 before every forward would be wasted communication.
-    model = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[local_rank] if device_type == "cuda" else None,
-        broadcast_buffers=False)
 
 
 def get_lr(it):
@@ -385,19 +392,17 @@ def estimate_loss():
 
 
 def save_checkpoint():
-    """Atomic: write ckpt.pt.tmp, then rename over ckpt.pt (a crash never leaves half a file)."""
+    """Atomic (parallel.py): the run's state goes to ckpt.pt.tmp (and a DCP folder with FSDP),
+    then renamed over ckpt.pt, so a crash never leaves half a checkpoint. All ranks call it."""
     npst = np.random.get_state()
-    ck = {"model": raw_model.state_dict(),  # the uncompiled module: no _orig_mod. prefixes
-          "optimizer": optimizer.state_dict(),
-          "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+    ck = {"scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
           "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
           "run_id": run_id, "model_args": model_args, "config": config, "tokenizer": tokenizer,
           "rng": {"torch": torch.get_rng_state(),
                   "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]),
                             float(npst[4])],
                   "python": list(random.getstate())}}
-    torch.save(ck, ckpt_path + ".tmp")
-    os.replace(ckpt_path + ".tmp", ckpt_path)
+    parallel.save_checkpoint(ckpt_path, ck, raw_model, optimizer)
 
 
 def peak_flops():
@@ -437,7 +442,8 @@ if wandb_log and master:
     wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir)
 if master:
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
-          f"compile={compile}, {world} process(es), {tokens_per_iter:,} tokens/iter, "
+          f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
+          f"{tokens_per_iter:,} tokens/iter, "
           f"data {ddir}, run {run_id[:8]}", flush=True)
     print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
                      "(peak FLOP/s of this device unknown)"), flush=True)
@@ -473,8 +479,13 @@ tok_s = None
 
 
 def evaluate():
+    """Rank 0 evaluates and logs; with FSDP every rank runs the (collective) forwards."""
     global best_val_loss
+    if not (master or fsdp):
+        return
     losses = estimate_loss()
+    if not master:
+        return
     best_val_loss = min(best_val_loss, losses["val"])
     rec = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
            "lr": get_lr(iter_num), "tokens": tokens_seen,
@@ -489,7 +500,7 @@ def evaluate():
 
 while iter_num < max_iters:
     # evaluate + checkpoint (not at the iteration a resumed run starts from: already done)
-    if master and iter_num % eval_interval == 0 and not (resumed and iter_num == start_iter):
+    if iter_num % eval_interval == 0 and not (resumed and iter_num == start_iter):
         evaluate()
         if iter_num > 0:
             save_checkpoint()
@@ -507,12 +518,11 @@ while iter_num < max_iters:
         x, y = get_batch("train", rng, batch_size, block_size)
         torch.manual_seed(int(rng.integers(2 ** 62)))  # dropout, also a function of the step
         last = micro == local_steps - 1
-        # DDP all-reduces gradients on the last micro-step only
-        with model.no_sync() if ddp and not last else contextlib.nullcontext():
+        with parallel.grad_sync(model, last):  # DDP all-reduces on the last micro-step only
             with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
-            # mean over this rank's micro-steps; DDP then averages over the N ranks: 1/G overall
+            # mean over this rank's micro-steps; DDP/FSDP average over the N ranks: 1/G overall
             loss = loss / local_steps
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -526,10 +536,9 @@ while iter_num < max_iters:
         bar.close()
         fail(f"non-finite loss at iteration {iter_num}; stopping without saving "
              f"(the last good checkpoint, if any, is {ckpt_path})")
-    if grad_clip > 0:
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = parallel.clip_grad_norm(raw_model, grad_clip)  # over all ranks' gradients
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -545,7 +554,7 @@ while iter_num < max_iters:
         rate = tokens_per_iter / dt
         if iter_num - start_iter > 2:
             tok_s = rate if tok_s is None else 0.9 * tok_s + 0.1 * rate
-        post = {"loss": f"{loss_sum.item() / local_steps:.4f}"}
+        post = {"loss": f"{loss_sum.item() / local_steps:.4f}", "gnorm": f"{grad_norm.item():.3f}"}
         if tok_s:
             post["tok/s"] = f"{tok_s:,.0f}"  # all ranks together
             # model FLOPs per second of one device over that device's peak
@@ -567,12 +576,11 @@ while iter_num < max_iters:
 # The final state is always saved and evaluated once. After a signal, save first: torchrun
 # kills 30 s after SIGTERM (SLURM and Kubernetes grace periods are similar), and an evaluation
 # alone can take longer than that.
-if master:
-    if signalled:
-        save_checkpoint()
-    if iter_num > start_iter or not resumed:
-        evaluate()
+if signalled:
     save_checkpoint()
+if iter_num > start_iter or not resumed:
+    evaluate()
+save_checkpoint()
 bar.close()
 if wandb_log and master:
     wandb.finish()
