@@ -4,7 +4,7 @@ was learned). Default shape: 6 layers, 6 heads, 384 wide, vocab 8192, block 256 
 parameters, 55 MB in float32); greedy, 16-token prompt, 256 new tokens.
 
     python bench/decode.py                              # all tables, ~5 min on 2 busy cores
-    python bench/decode.py --no-compile --no-hf --no-positions
+    python bench/decode.py --no-compile --tables 1,3 --threads 1
     python bench/decode.py --n_layer 4 --n_head 4 --n_embd 256 --vocab_size 4096
 
 Tables:
@@ -116,15 +116,17 @@ def hf_model(a):
     return RoFormerForCausalLM(cfg).eval()
 
 
-def generate_rate(gen, a):
-    """New tokens/s of a whole greedy generate call (prefill included), median of --reps."""
-    rates = []
-    for _ in range(a.reps + 1):  # the first call warms up
+def generate_rates(gens, a):
+    """New tokens/s of whole greedy generate calls (prefill included) for each function in
+    gens, median of --reps; the calls take turns so that load changes hit all alike."""
+    rates = [[] for _ in gens]
+    for r in range(a.reps + 1):  # the first round warms up (and compiles)
         idx = torch.randint(1, a.vocab_size, (1, a.prompt))
-        t0 = time.perf_counter()
-        gen(idx)
-        rates.append(a.new_tokens / (time.perf_counter() - t0))
-    return statistics.median(rates[1:])
+        for gen, out in zip(gens, rates):
+            t0 = time.perf_counter()
+            gen(idx)
+            out.append(a.new_tokens / (time.perf_counter() - t0))
+    return [statistics.median(out[1:]) for out in rates]
 
 
 def main():
@@ -137,11 +139,9 @@ def main():
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--threads", type=int, default=0, help="threads for tables 2-4 (0: torch's default)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
-                    help="time transformers' RoFormerForCausalLM (if installed)")
-    ap.add_argument("--positions", action=argparse.BooleanOptionalAction, default=True,
-                    help="table 4: cached vs uncached, latency at positions 128/1024/4096")
+    ap.add_argument("--tables", default="1,2,3,4", help="which tables to print")
     a = ap.parse_args()
+    tables = {int(t) for t in a.tables.split(",")}
     warnings.filterwarnings("ignore")
     all_threads = a.threads or torch.get_num_threads()
     model = make(a)
@@ -152,12 +152,13 @@ def main():
           f"{os.cpu_count()} CPUs, {all_threads} threads by default")
 
     # 1. the ceiling
-    print(f"\n## 1. batch-1 decode vs the one-pass ceiling (torch.mv over {n_params // a.n_embd} x "
-          f"{a.n_embd} weights)")
-    print("| weights | threads | ceiling tok/s | eager tok/s | eager/ceiling | compiled tok/s "
-          "| compiled/ceiling | compile s | compile pays after |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for dtype in (torch.float32, torch.bfloat16):
+    if 1 in tables:
+        print(f"\n## 1. batch-1 decode vs the one-pass ceiling (torch.mv over "
+              f"{n_params // a.n_embd} x {a.n_embd} weights)")
+        print("| weights | threads | ceiling tok/s | eager tok/s | eager/ceiling | compiled tok/s "
+              "| compiled/ceiling | compile s | compile pays after |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16) if 1 in tables else ():
         m = make(a, dtype=dtype)
         for threads in sorted({1, all_threads}):
             torch.set_num_threads(threads)
@@ -179,6 +180,17 @@ def main():
     torch.set_num_threads(all_threads)
 
     # 2. batched sampling
+    if 2 in tables:
+        batched(model, a, all_threads)
+    # 3. transformers
+    hf = hf_model(a) if 3 in tables else None
+    if hf is not None:
+        versus_transformers(model, hf, a, all_threads)
+    if 4 in tables:
+        cached_vs_uncached(a, all_threads)
+
+
+def batched(model, a, all_threads):
     print(f"\n## 2. total tokens/s vs batch (float32, {all_threads} threads)")
     print("| batch | eager tok/s | compiled tok/s | compiled/eager |")
     print("|---:|---:|---:|---:|")
@@ -191,33 +203,33 @@ def main():
         else:
             print(f"| {n} | {eager:.0f} | | |", flush=True)
 
-    # 3. transformers
-    hf = hf_model(a) if a.hf else None
-    if hf is not None:
-        print(f"\n## 3. whole greedy generate calls, batch 1, float32: ours vs transformers' "
-              f"RoFormerForCausalLM ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M "
-              f"params, its KV cache)")
-        print("| threads | transformers tok/s | ours eager tok/s | ours/transformers |"
-              + (" ours compiled tok/s | ours/transformers |" if a.compile else ""))
-        print("|---:|---:|---:|---:|" + ("---:|---:|" if a.compile else ""))
-        for threads in sorted({1, all_threads}):
-            torch.set_num_threads(threads)
-            theirs = generate_rate(lambda idx: hf.generate(
-                idx, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
-                use_cache=True, eos_token_id=None), a)
-            ours = generate_rate(lambda idx: model.generate(idx, a.new_tokens, temperature=0), a)
-            row = f"| {threads} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |"
-            if a.compile:
-                torch._dynamo.reset()
-                comp = generate_rate(lambda idx: model.generate(idx, a.new_tokens, temperature=0,
-                                                                compile=True), a)
-                row += f" {comp:.1f} | {comp / theirs:.2f}x |"
-            print(row, flush=True)
-        torch.set_num_threads(all_threads)
 
-    if not a.positions:
-        return
-    # 4. cached vs uncached; latency vs position
+def versus_transformers(model, hf, a, all_threads):
+    print(f"\n## 3. whole greedy generate calls, batch 1, float32: ours vs transformers' "
+          f"RoFormerForCausalLM ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M "
+          f"params, its KV cache)")
+    print("| threads | transformers tok/s | ours eager tok/s | ours/transformers |"
+          + (" ours compiled tok/s | ours/transformers |" if a.compile else ""))
+    print("|---:|---:|---:|---:|" + ("---:|---:|" if a.compile else ""))
+    for threads in sorted({1, all_threads}):
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+        gens = [lambda idx: hf.generate(idx, max_new_tokens=a.new_tokens,
+                                        min_new_tokens=a.new_tokens, do_sample=False,
+                                        use_cache=True, eos_token_id=None),
+                lambda idx: model.generate(idx, a.new_tokens, temperature=0)]
+        if a.compile:
+            gens.append(lambda idx: model.generate(idx, a.new_tokens, temperature=0,
+                                                   compile=True))
+        theirs, ours, *comp = generate_rates(gens, a)
+        row = f"| {threads} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |"
+        if comp:
+            row += f" {comp[0]:.1f} | {comp[0] / theirs:.2f}x |"
+        print(row, flush=True)
+    torch.set_num_threads(all_threads)
+
+
+def cached_vs_uncached(a, all_threads):
     print(f"\n## 4a. batch-1 decode tok/s, cached vs the uncached loop (recompute the last "
           f"block_size tokens per step), {all_threads} threads")
     print("| attention | cached tok/s | uncached tok/s | cached/uncached |")
