@@ -109,10 +109,14 @@ def overhead():
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump({"name": "random", "vocab_size": RECIPE["vocab_size"], "dtype": "uint16",
                        "eos_id": None, "bos_id": None}, f)
-        ours, bare = [], []
-        for r in range(args["rounds"]):  # alternate, so load changes hit both alike
-            ours += train_py_steps(stamps, n, tmp, os.path.join(tmp, f"out{r}"))
-            bare += bare_steps(stamps, n)
+        ours, bare, ratios = [], [], []
+        for r in range(args["rounds"]):  # alternate (and swap the order), so load changes hit both alike
+            first_bare = r % 2 == 1
+            b = bare_steps(stamps, n) if first_bare else None
+            o = train_py_steps(stamps, n, tmp, os.path.join(tmp, f"out{r}"))
+            b = b if first_bare else bare_steps(stamps, n)
+            ours, bare = ours + o, bare + b
+            ratios.append(statistics.median(o) / statistics.median(b))
     o, b = statistics.median(ours), statistics.median(bare)
     print(f"\nnanoGPT's CPU recipe {RECIPE}, float32, eager, {torch.get_num_threads()} threads; "
           f"median of {len(ours)} steps each, {args['rounds']} alternating rounds")
@@ -122,6 +126,7 @@ def overhead():
     print(f"| bare (forward, backward, clip, AdamW, zero_grad) | {1e3 * b:.2f} | {tokens / b:,.0f} "
           f"| 1.000 |")
     print(f"| train.py (its whole iteration) | {1e3 * o:.2f} | {tokens / o:,.0f} | {o / b:.3f} |")
+    print(f"train.py / bare per round: {', '.join(f'{r:.3f}' for r in ratios)}")
 
 
 if args["overhead"]:
