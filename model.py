@@ -200,8 +200,11 @@ class Attention(nn.Module):
                                             self.cfg.linear_chunk, self.cache if step else None)
                 if self.cfg.linear_norm:
                     y = F.rms_norm(y, (y.size(-1),))
-            if step is not None:
+            if step is not None and self.cache is None:
                 self.cache = state
+            elif step is not None:  # in place: a compiled (CUDA-graph) step needs fixed addresses
+                for old, new in zip(self.cache, state):
+                    old.copy_(new)
             y = y.to(v.dtype)
         else:
             if rope is not None:
@@ -315,25 +318,35 @@ class RoFormer(nn.Module):
     def forward(self, idx, targets=None, start_pos=None):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy if targets are given
         (-1 marks positions to ignore). With start_pos (inside generate), idx holds the tokens
-        at absolute positions start_pos.. and attention runs against the decoding cache."""
+        at absolute positions start_pos.. and attention runs against the decoding cache.
+        start_pos is a Python int, or, for the static decode step that generate may compile, a
+        (1,) long tensor on idx's device with T = 1: then the position is data, not a constant,
+        so one graph serves every step, and nothing is read back to the host. The position
+        tables must already cover it (generate grows them before the first step)."""
         c = self.config
         B, T = idx.shape
-        p0 = 0 if start_pos is None else start_pos
-        pos = torch.arange(p0, p0 + T, device=idx.device)
-        x = self.wte(idx)
-        if c.pos_encoding == "learned":
-            if p0 + T > c.block_size:
+        if isinstance(start_pos, torch.Tensor):
+            if T != 1:
+                raise ValueError(f"a tensor start_pos decodes one token per sequence, got {T}")
+            pos = rows = start_pos  # table rows by gather, not by a slice with a constant bound
+        else:
+            p0 = 0 if start_pos is None else start_pos
+            pos, rows = torch.arange(p0, p0 + T, device=idx.device), slice(p0, p0 + T)
+            if c.pos_encoding == "learned" and p0 + T > c.block_size:
                 raise ValueError(f"learned positions end at block_size={c.block_size}; cannot "
                                  f"run position {p0 + T - 1} (use use_cache=False to crop)")
+            if c.pos_encoding in ("rope", "sinusoidal"):
+                self.pos_tables(p0 + T, idx.device)
+        x = self.wte(idx)
+        if c.pos_encoding == "learned":
             x = x + self.wpe(pos)
         elif c.pos_encoding == "sinusoidal":
-            x = x + self.pos_tables(p0 + T, idx.device)[p0:p0 + T].to(x.dtype)
+            x = x + self.sin_emb[rows].to(x.dtype)
         x = self.drop(x)
         rope = None
         if c.pos_encoding == "rope":
-            cos, sin = self.pos_tables(p0 + T, idx.device)
-            rope = (cos[p0:p0 + T], sin[p0:p0 + T])
-        step = None if start_pos is None else self.cache_step(pos)
+            rope = (self.rope_cos[rows], self.rope_sin[rows])
+        step = None if start_pos is None else self.cache_step(pos, start_pos)
         for block in self.blocks:
             x = block(x, rope, step)
         logits = self.lm_head(self.ln_f(x))
@@ -353,9 +366,11 @@ class RoFormer(nn.Module):
         for block in self.blocks:
             block.attn.cache = None
 
-    def cache_step(self, pos):
-        """Bookkeeping shared by all layers for one cached forward over positions `pos`:
-        which slots the new keys go to, and the mask (query position x cache slot).
+    def cache_step(self, pos, start):
+        """Bookkeeping shared by all layers for one cached forward over positions `pos`
+        (starting at `start`: a Python int, or the (1,) tensor `pos` itself in the static
+        decode step): which slots the new keys go to, and the mask (query position x slot).
+        Nothing here reads a device value on the host: a per-token sync would stall a GPU.
 
         A query at position m sees the keys at positions m-block_size+1 .. m. Past block_size
         this is sliding-window attention: exact because RoPE scores depend on distance only,
@@ -363,10 +378,10 @@ class RoFormer(nn.Module):
         were computed from states that saw older tokens)."""
         if self.config.attention == "linear":
             return True  # the recurrent state needs no bookkeeping
-        buf, T, p0 = self.slot_pos.numel(), pos.numel(), int(pos[0])
+        buf, T = self.slot_pos.numel(), pos.numel()
         # One token never evicts a key its query still needs, and neither does a chunk that
         # fits in the buffer's free slots; anything else must read the old keys first.
-        write_first = T == 1 or p0 + T <= buf
+        write_first = T == 1 or start + T <= buf
         kept = pos[-buf:]
         slots = kept % buf
         kpos = self.slot_pos if write_first else torch.cat((self.slot_pos, pos))
@@ -374,19 +389,26 @@ class RoFormer(nn.Module):
             self.slot_pos[slots] = kept
         else:
             self.slot_pos = self.slot_pos.index_put((slots,), kept)
+        # The one place that sees query x key distances (cached and rolling paths alike): a
+        # bias that depends on distance only would be computed from d and join the mask here.
         d = pos[:, None] - kpos[None, :]
         mask = (kpos[None, :] >= 0) & (d >= 0) & (d < self.config.block_size)
         return buf, slots, mask, write_first
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        use_cache=True, generator=None):
+                        use_cache=True, generator=None, compile=False):
         """Yield the next (B, 1) tokens one at a time.
 
-        use_cache=True: prefill the prompt once, then one token per step against the cache
+        use_cache=True: prefill the prompt (in chunks of at most the cache size, so a long
+        prompt costs memory linear in its length), then one token per step against the cache
         (rolling window for softmax, recurrent state for linear attention).
         use_cache=False: the reference loop; each step reruns the model on the last
-        block_size tokens from scratch."""
+        block_size tokens from scratch.
+        compile=True (cached only): the one-token step runs through torch.compile, as one
+        static graph (the position is a device tensor, the cache is preallocated; CUDA graphs
+        on CUDA). Sampling stays outside it, so eager and compiled draw the same tokens
+        whenever their logits agree."""
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
         if top_k is not None and top_k < 0:
@@ -395,34 +417,62 @@ class RoFormer(nn.Module):
             raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
         if idx.size(1) == 0:
             raise ValueError("generate needs at least one prompt token")
-        bs = self.config.block_size
-        if use_cache and self.config.pos_encoding == "learned" and idx.size(1) + max_new_tokens > bs:
+        if compile and not use_cache:
+            raise ValueError("compile=True compiles the cached decode step; it needs use_cache=True")
+        bs, T0 = self.config.block_size, idx.size(1)
+        if use_cache and self.config.pos_encoding == "learned" and T0 + max_new_tokens > bs:
             raise ValueError(f"learned positions end at block_size={bs}; generating "
-                             f"{idx.size(1) + max_new_tokens} tokens needs use_cache=False")
+                             f"{T0 + max_new_tokens} tokens needs use_cache=False")
         seq = idx
         try:
             if use_cache:
-                self.reset_cache(idx.size(1) + max_new_tokens, idx.device)
-                logits = self(idx, start_pos=0)[0][:, -1]
+                self.reset_cache(T0 + max_new_tokens, idx.device)
+                n = self.slot_pos.numel()
+                for p in range(0, T0, n):
+                    logits = self(idx[:, p:p + n], start_pos=p)[0][:, -1]
+                step = self.decode_step(compile, idx.device, T0 + max_new_tokens)
+                pos = torch.full((1,), T0, dtype=torch.long, device=idx.device)
             for i in range(max_new_tokens):
                 if not use_cache:
                     logits = self(seq[:, -bs:])[0][:, -1]
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)
                 yield nxt
-                seq = torch.cat((seq, nxt), dim=1)
-                if use_cache and i + 1 < max_new_tokens:
-                    logits = self(nxt, start_pos=seq.size(1) - 1)[0][:, -1]
+                if not use_cache:
+                    seq = torch.cat((seq, nxt), dim=1)
+                elif i + 1 < max_new_tokens:
+                    logits = step(nxt, pos)
+                    pos += 1  # on the device: the host never waits for a step to finish
         finally:  # a later call, or a normal forward, never sees this call's cache
             self.slot_pos = None
             for block in self.blocks:
                 block.attn.cache = None
 
+    def decode_step(self, compile, device, total_len):
+        """The function generate calls per token: (B, 1) tokens, (1,) position tensor ->
+        (B, V) logits, after the prefill has allocated every cache. Eager, it is the model's
+        own forward; compiled, the same forward traced once into a static graph."""
+        self.pos_tables(total_len, device)  # the step gathers table rows; they must exist now
+        if not compile:
+            return lambda tok, pos: self(tok, start_pos=pos)[0][:, -1]
+        cuda = torch.device(device).type == "cuda"
+        if cuda:  # CUDA graphs replay fixed addresses: the caches are written in place
+            for t in [self.slot_pos] + [t for b in self.blocks for t in b.attn.cache]:
+                torch._dynamo.mark_static_address(t)
+        fn = torch.compile(self.forward, fullgraph=True, dynamic=False,
+                           mode="reduce-overhead" if cuda else None)
+
+        def step(tok, pos):
+            if cuda:  # a new replay: the last step's logits (already sampled from) may go
+                torch.compiler.cudagraph_mark_step_begin()
+            return fn(tok, start_pos=pos)[0][:, -1]
+        return step
+
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 use_cache=True, generator=None):
+                 use_cache=True, generator=None, compile=False):
         """Return idx followed by max_new_tokens sampled tokens, (B, T + new)."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p,
-                                        use_cache, generator))
+                                        use_cache, generator, compile))
         return torch.cat([idx] + new, dim=1)
 
     # --- training helpers ---------------------------------------------------------------

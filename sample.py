@@ -31,6 +31,8 @@ seed = 1337
 device = "auto"         # auto: cuda if available, else cpu
 dtype = "auto"          # auto: bfloat16 on a CUDA GPU that supports it (else float16), float32 on CPU
 use_cache = True        # False: the reference loop that recomputes the last block_size tokens per step
+compile = "auto"        # compile the per-token decode step: True | False | auto (on only where it
+                        # was measured to pay for its compile time at this length; see below)
 stop_at_eos = True      # a sample ends when the model closes its document
 rope_scaling = ""       # "" keeps the checkpoint's; "none" | "linear" | "ntk" override it (RoPE only)
 rope_factor = 0.0       # 0 keeps the checkpoint's; else how many times block_size to cover
@@ -70,10 +72,26 @@ class TextStream:
         return rest
 
 
+# Decode steps after which compiling the step has paid for its compile time, by device type
+# (bench/decode.py table 1, "compile pays after"; see the README). CPU, 6 layers x 384: the
+# compiled step saved 0.3-1.5 ms per token against 9-12 s of compiling with a warm inductor
+# cache (27-34 s cold): 5,000-56,000 tokens warm, up to ~100,000 cold. No GPU was available to
+# measure, so auto leaves CUDA eager.
+COMPILE_PAYS_AFTER = {"cpu": 100_000}
+
+
+def compile_pays(choice, device, new_tokens):
+    """--compile: True/False as given; auto: on where measured to pay at this length."""
+    choice = str(choice).lower()
+    if choice != "auto":
+        return choice == "true"
+    return new_tokens >= COMPILE_PAYS_AFTER.get(device.type, float("inf"))
+
+
 def main(argv):
     names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
-             "seed", "device", "dtype", "use_cache", "stop_at_eos", "rope_scaling", "rope_factor",
-             "tokenizer")
+             "seed", "device", "dtype", "use_cache", "compile", "stop_at_eos", "rope_scaling",
+             "rope_factor", "tokenizer")
     try:
         cfg = configure({k: globals()[k] for k in names}, argv)
     except ConfigError as e:
@@ -87,6 +105,10 @@ def main(argv):
         sys.exit(f"error: top_p must be in (0, 1] (1 turns it off), got {cfg['top_p']}")
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
         sys.exit("error: num_samples and max_new_tokens must be >= 1")
+    if str(cfg["compile"]).lower() not in ("auto", "true", "false"):
+        sys.exit(f"error: compile must be True, False or auto, got {cfg['compile']!r}")
+    if str(cfg["compile"]).lower() == "true" and not cfg["use_cache"]:
+        sys.exit("error: --compile=True compiles the cached decode step; drop --use_cache=False")
     dev, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
     start_text = cfg["start"]
     if start_text.startswith("FILE:"):
@@ -116,6 +138,7 @@ def main(argv):
     B = cfg["num_samples"]
     x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(B, 1)
     gen = torch.Generator(device=dev).manual_seed(cfg["seed"])
+    compiled = compile_pays(cfg["compile"], dev, cfg["max_new_tokens"]) and cfg["use_cache"]
 
     # --- generate ------------------------------------------------------------------------
     streams = [TextStream(sp) for _ in range(B)]
@@ -130,7 +153,7 @@ def main(argv):
     try:
         for nxt in model.generate_stream(x, cfg["max_new_tokens"], cfg["temperature"],
                                          cfg["top_k"] or None, cfg["top_p"], cfg["use_cache"],
-                                         gen):
+                                         gen, compiled):
             for b, t in enumerate(nxt[:, 0].tolist()):  # .tolist() waits for the device
                 if done[b]:
                     continue
@@ -162,7 +185,9 @@ def main(argv):
     if steps > 1:
         line += f"; decode: {steps - 1} steps x {B} in {t_end - t_first:.2f} s " \
                 f"({(steps - 1) * B / (t_end - t_first):.1f} tok/s)"
-    print(line + f"; cache {'on' if cfg['use_cache'] else 'off'}", file=sys.stderr)
+    print(line + f"; cache {'on' if cfg['use_cache'] else 'off'}, "
+                 f"compile {'on (compiling is in the decode time)' if compiled else 'off'}",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -407,7 +407,7 @@ def keep_sinks(model, n_sink):
     key of the chunk in view and the mask alone decides), which is how token_losses calls it."""
     bs = model.config.block_size
 
-    def cache_step(pos):
+    def cache_step(pos, start):  # same signature as RoFormer.cache_step
         buf = model.slot_pos.numel()
         if int(model.slot_pos.max()) >= 0 or pos.numel() <= buf:
             raise RuntimeError("keep_sinks supports one prefill longer than block_size only")

@@ -1,25 +1,33 @@
 """
-Decoding speed of the small config's model shape (random weights: speed does not depend on
-what was learned).
+Decoding speed against the hardware's limit (random weights: speed does not depend on what
+was learned). Default shape: 6 layers, 6 heads, 384 wide, vocab 8192, block 256 (14M
+parameters, 55 MB in float32); greedy, 16-token prompt, 256 new tokens.
 
-    python bench/decode.py                          # shape from config/small.py, ~2-3 min on 2 cores
-    python bench/decode.py --new_tokens 256 --positions 128,1024 --no-compile
-    python bench/decode.py --n_layer 6 --n_head 6 --n_embd 384 --block_size 256
+    python bench/decode.py                              # all tables, ~5 min on 2 busy cores
+    python bench/decode.py --no-compile --tables 1,3 --threads 1
+    python bench/decode.py --n_layer 4 --n_head 4 --n_embd 256 --vocab_size 4096
 
 Tables:
-  1. tokens/s, cached vs uncached, softmax vs linear attention, batch 1 and 8, generating
-     --new_tokens after a 16-token prompt (sampling included, as sample.py runs it).
-  2. per-token latency of one cached decode step at positions 128 / 1024 / 4096 (median of
-     --steps steps after prefilling to that position), and the bytes of cache/state held.
-  3. variants of the cached batch-1 step: float32 vs bfloat16 weights, 1 thread vs all,
-     and torch.compile of the model (compile time reported separately).
-Ratios from one run are what to quote: the machine is shared and timings are noisy.
+  1. The ceiling. A decode step must read every weight once, so it can go no faster than one
+     matrix-vector product over a weight-sized matrix: torch.mv on a (params/n_embd, n_embd)
+     matrix, timed right before and after each decode run in this process. Decode tok/s (batch
+     1, eager and compiled, the 255 steps after the first token) as a fraction of it, float32
+     and bfloat16 weights, 1 thread and all threads. Also the compile time, and the number
+     of tokens after which compiling has paid for itself (compile s / time saved per token).
+  2. Batched sampling: total tokens/s at batch N = 1, 4, 16, 64 (--batches), eager and
+     compiled (--threads, default all).
+  3. transformers' RoFormerForCausalLM (same dims, its KV cache, greedy) when transformers is
+     installed: its generate vs ours, whole calls, prefill included.
+  4. Cached vs uncached loop, and one cached step's latency at positions 128 / 1024 / 4096
+     with the bytes held by the cache (softmax rolling window vs linear attention's state).
+Ratios from one run are what to quote: the machine may be shared and timings are noisy.
 """
 import argparse
 import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -28,49 +36,64 @@ sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 
-def small_shape():
-    """The model keys of config/small.py (plain assignments), over RoFormerConfig's defaults."""
-    shape = {"vocab_size": 4096, "block_size": 256, "n_layer": 6, "n_head": 6, "n_embd": 384}
-    path = os.path.join(ROOT, "config", "small.py")
-    if os.path.exists(path):
-        scope = {}
-        with open(path) as f:
-            exec(f.read(), scope)
-        shape.update({k: scope[k] for k in shape if isinstance(scope.get(k), int) and scope[k] > 0})
-    return shape
-
-
-def make(a, attention, dtype=torch.float32):
+def make(a, attention="softmax", dtype=torch.float32):
     torch.manual_seed(0)
     cfg = RoFormerConfig(vocab_size=a.vocab_size, block_size=a.block_size, n_layer=a.n_layer,
                          n_head=a.n_head, n_embd=a.n_embd, attention=attention)
     return RoFormer(cfg).eval().to(dtype)
 
 
-def throughput(model, batch, new_tokens, use_cache):
-    """Generated tokens per second over a whole generate call (prefill included)."""
-    idx = torch.randint(model.config.vocab_size, (batch, 16))
-    g = torch.Generator().manual_seed(0)
+def mv_time(n_params, width, dtype, reps=20):
+    """Median seconds of one torch.mv over a (n_params/width, width) matrix: one pass over as
+    many weights as the model has."""
+    W = torch.randn(n_params // width, width).to(dtype)
+    v = torch.randn(width).to(dtype)
+    torch.mv(W, v)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mv(W, v)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def decode_rate(model, batch, a, compile=False, use_cache=True, new_tokens=None):
+    """Tokens/s of the decode steps (all tokens after the first, which pays for the prefill),
+    summed over the batch: greedy, as sample.py runs it (the stream is consumed on the host)."""
+    new = new_tokens or a.new_tokens
+    idx = torch.randint(model.config.vocab_size, (batch, a.prompt))
+    stream = model.generate_stream(idx, new, temperature=0, use_cache=use_cache, compile=compile)
+    next(stream).tolist()
     t0 = time.perf_counter()
-    model.generate(idx, new_tokens, temperature=1.0, top_k=200, use_cache=use_cache, generator=g)
-    return batch * new_tokens / (time.perf_counter() - t0)
+    for tok in stream:
+        tok.tolist()
+    return batch * (new - 1) / (time.perf_counter() - t0)
+
+
+def best_rate(model, batch, a, compile=False, use_cache=True, new_tokens=None):
+    """Median of --reps runs; a compiled model's first (compiling) call is timed and returned."""
+    t0 = time.perf_counter()
+    if compile:  # same lengths as the timed runs, so the same graph
+        decode_rate(model, batch, a, compile=True, new_tokens=new_tokens)
+    compile_s = time.perf_counter() - t0
+    rates = [decode_rate(model, batch, a, compile, use_cache, new_tokens) for _ in range(a.reps)]
+    return statistics.median(rates), compile_s
 
 
 @torch.no_grad()
-def step_latency(model, pos, steps, batch=1, fn=None):
-    """Median ms of one cached decode step at positions pos .. pos+steps-1, after prefilling
-    pos tokens; also the bytes held by the caches at the end."""
-    fn = model if fn is None else fn
+def step_latency(model, pos, steps):
+    """Median ms of one cached decode step at positions pos .. pos+steps-1 (batch 1), after
+    prefilling pos tokens; and the bytes the caches hold at the end."""
     model.reset_cache(pos + steps, "cpu")
-    idx = torch.randint(model.config.vocab_size, (batch, pos))
-    logits = fn(idx, start_pos=0)[0]
-    tok = logits[:, -1:].argmax(-1)
+    model.pos_tables(pos + steps, "cpu")
+    tok = model(torch.randint(model.config.vocab_size, (1, pos)), start_pos=0)[0][:, -1:].argmax(-1)
+    p = torch.tensor([pos])
     times = []
-    for i in range(steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
-        logits = fn(tok, start_pos=pos + i)[0]
-        tok = logits[:, -1:].argmax(-1)
+        tok = model(tok, start_pos=p)[0][:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
+        p += 1
     held = sum(t.numel() * t.element_size() for b in model.blocks for t in b.attn.cache)
     model.reset_cache(1, "cpu")
     for b in model.blocks:
@@ -78,76 +101,154 @@ def step_latency(model, pos, steps, batch=1, fn=None):
     return 1e3 * statistics.median(times), held
 
 
+def hf_model(a):
+    """transformers' RoFormerForCausalLM with our dims (None if transformers is missing)."""
+    try:
+        from transformers import RoFormerConfig as HFConfig, RoFormerForCausalLM
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    cfg = HFConfig(vocab_size=a.vocab_size, embedding_size=a.n_embd, hidden_size=a.n_embd,
+                   num_hidden_layers=a.n_layer, num_attention_heads=a.n_head,
+                   intermediate_size=4 * a.n_embd, is_decoder=True, hidden_dropout_prob=0.0,
+                   attention_probs_dropout_prob=0.0, pad_token_id=0,
+                   max_position_embeddings=a.prompt + a.new_tokens)
+    return RoFormerForCausalLM(cfg).eval()
+
+
+def generate_rates(gens, a):
+    """New tokens/s of whole greedy generate calls (prefill included) for each function in
+    gens, median of --reps; the calls take turns so that load changes hit all alike."""
+    rates = [[] for _ in gens]
+    for r in range(a.reps + 1):  # the first round warms up (and compiles)
+        idx = torch.randint(1, a.vocab_size, (1, a.prompt))
+        for gen, out in zip(gens, rates):
+            t0 = time.perf_counter()
+            gen(idx)
+            out.append(a.new_tokens / (time.perf_counter() - t0))
+    return [statistics.median(out[1:]) for out in rates]
+
+
 def main():
-    shape = small_shape()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    for k, v in shape.items():
+    for k, v in dict(vocab_size=8192, block_size=256, n_layer=6, n_head=6, n_embd=384).items():
         ap.add_argument(f"--{k}", type=int, default=v)
-    ap.add_argument("--new_tokens", type=int, default=1024)
-    ap.add_argument("--uncached_tokens_b8", type=int, default=256,
-                    help="new tokens for the slow uncached loop at batch 8 (0: --new_tokens);\n"
-                         "fewer tokens favour the uncached loop (its window is not yet full)")
-    ap.add_argument("--positions", default="128,1024,4096")
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--new_tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--threads", type=int, default=0, help="threads for tables 2-4 (0: torch's default)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--tables", default="1,2,3,4", help="which tables to print")
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    nthreads = torch.get_num_threads()
+    tables = {int(t) for t in a.tables.split(",")}
+    warnings.filterwarnings("ignore")
+    all_threads = a.threads or torch.get_num_threads()
+    model = make(a)
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"# decode bench: n_layer={a.n_layer} n_head={a.n_head} n_embd={a.n_embd} "
-          f"block_size={a.block_size} vocab={a.vocab_size}; torch {torch.__version__}, "
-          f"{nthreads} threads, float32 unless said")
+          f"block_size={a.block_size} vocab={a.vocab_size} ({n_params / 1e6:.1f}M params); "
+          f"{a.prompt}-token prompt, {a.new_tokens} new tokens, greedy; torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, {all_threads} threads by default")
 
-    # 1. throughput
-    print(f"\n## 1. tokens/s generating {a.new_tokens} new tokens (16-token prompt, top_k=200)")
-    print("| attention | batch | cached tok/s | uncached tok/s | cached/uncached |")
-    print("|---|---:|---:|---:|---:|")
+    # 1. the ceiling
+    if 1 in tables:
+        print(f"\n## 1. batch-1 decode vs the one-pass ceiling (torch.mv over "
+              f"{n_params // a.n_embd} x {a.n_embd} weights)")
+        print("| weights | threads | ceiling tok/s | eager tok/s | eager/ceiling | compiled tok/s "
+              "| compiled/ceiling | compile s | compile pays after |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16) if 1 in tables else ():
+        m = make(a, dtype=dtype)
+        for threads in sorted({1, all_threads}):
+            torch.set_num_threads(threads)
+            before = mv_time(n_params, a.n_embd, dtype)
+            eager, _ = best_rate(m, 1, a)
+            if a.compile:
+                torch._dynamo.reset()  # compiled kernels are built for a thread count
+                comp, compile_s = best_rate(m, 1, a, compile=True)
+            ceiling = 2 / (before + mv_time(n_params, a.n_embd, dtype))
+            row = (f"| {str(dtype)[6:]} | {threads} | {ceiling:.0f} | {eager:.1f} | "
+                   f"{eager / ceiling:.2f} |")
+            if a.compile:
+                saved = 1 / eager - 1 / comp
+                pays = f"{compile_s / saved:,.0f} tokens" if saved > 0 else "never"
+                row += f" {comp:.1f} | {comp / ceiling:.2f} | {compile_s:.0f} | {pays} |"
+            else:
+                row += " | | | |"
+            print(row, flush=True)
+    torch.set_num_threads(all_threads)
+
+    # 2. batched sampling
+    if 2 in tables:
+        batched(model, a, all_threads)
+    # 3. transformers
+    hf = hf_model(a) if 3 in tables else None
+    if hf is not None:
+        versus_transformers(model, hf, a, all_threads)
+    if 4 in tables:
+        cached_vs_uncached(a, all_threads)
+
+
+def batched(model, a, all_threads):
+    print(f"\n## 2. total tokens/s vs batch (float32, {all_threads} threads)")
+    print("| batch | eager tok/s | compiled tok/s | compiled/eager |")
+    print("|---:|---:|---:|---:|")
+    for n in [int(b) for b in a.batches.split(",")]:
+        eager, _ = best_rate(model, n, a)
+        if a.compile:
+            comp, compile_s = best_rate(model, n, a, compile=True)
+            print(f"| {n} | {eager:.0f} | {comp:.0f} (compile {compile_s:.0f} s) | "
+                  f"{comp / eager:.2f}x |", flush=True)
+        else:
+            print(f"| {n} | {eager:.0f} | | |", flush=True)
+
+
+def versus_transformers(model, hf, a, all_threads):
+    print(f"\n## 3. whole greedy generate calls, batch 1, float32: ours vs transformers' "
+          f"RoFormerForCausalLM ({sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M "
+          f"params, its KV cache)")
+    print("| threads | transformers tok/s | ours eager tok/s | ours/transformers |"
+          + (" ours compiled tok/s | ours/transformers |" if a.compile else ""))
+    print("|---:|---:|---:|---:|" + ("---:|---:|" if a.compile else ""))
+    for threads in sorted({1, all_threads}):
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+        gens = [lambda idx: hf.generate(idx, max_new_tokens=a.new_tokens,
+                                        min_new_tokens=a.new_tokens, do_sample=False,
+                                        use_cache=True, eos_token_id=None),
+                lambda idx: model.generate(idx, a.new_tokens, temperature=0)]
+        if a.compile:
+            gens.append(lambda idx: model.generate(idx, a.new_tokens, temperature=0,
+                                                   compile=True))
+        theirs, ours, *comp = generate_rates(gens, a)
+        row = f"| {threads} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |"
+        if comp:
+            row += f" {comp[0]:.1f} | {comp[0] / theirs:.2f}x |"
+        print(row, flush=True)
+    torch.set_num_threads(all_threads)
+
+
+def cached_vs_uncached(a, all_threads):
+    print(f"\n## 4a. batch-1 decode tok/s, cached vs the uncached loop (recompute the last "
+          f"block_size tokens per step), {all_threads} threads")
+    print("| attention | cached tok/s | uncached tok/s | cached/uncached |")
+    print("|---|---:|---:|---:|")
     for attention in ("softmax", "linear"):
-        model = make(a, attention)
-        for batch in (1, 8):
-            c = throughput(model, batch, a.new_tokens, True)
-            n_unc = a.uncached_tokens_b8 if batch == 8 and a.uncached_tokens_b8 else a.new_tokens
-            u = throughput(model, batch, n_unc, False)
-            note = "" if n_unc == a.new_tokens else f" ({n_unc} tokens)"
-            print(f"| {attention} | {batch} | {c:.1f} | {u:.1f}{note} | {c / u:.1f}x |", flush=True)
-
-    # 2. latency vs position
-    positions = [int(p) for p in a.positions.split(",")]
-    print(f"\n## 2. one cached decode step at position p, batch 1 (median of {a.steps})")
+        m = make(a, attention)
+        c, _ = best_rate(m, 1, a)
+        u, _ = best_rate(m, 1, a, use_cache=False)
+        print(f"| {attention} | {c:.1f} | {u:.1f} | {c / u:.1f}x |", flush=True)
+    positions = (128, 1024, 4096)
+    print("\n## 4b. one cached decode step at position p, batch 1 (median of 32 steps)")
     print("| attention | " + " | ".join(f"p={p} ms" for p in positions) + " | "
           + " | ".join(f"p={p} cache KiB" for p in positions) + " |")
     print("|---|" + "---:|" * (2 * len(positions)))
     for attention in ("softmax", "linear"):
-        model = make(a, attention)
-        r = [step_latency(model, p, a.steps) for p in positions]
+        m = make(a, attention)
+        r = [step_latency(m, p, 32) for p in positions]
         print(f"| {attention} | " + " | ".join(f"{ms:.2f}" for ms, _ in r) + " | "
               + " | ".join(f"{held / 1024:.0f}" for _, held in r) + " |", flush=True)
-
-    # 3. variants of the batch-1 cached step
-    pos = positions[0]
-    print(f"\n## 3. cached softmax decode step at p={pos}, batch 1: variants")
-    print("| variant | ms/token | vs float32 eager |")
-    print("|---|---:|---:|")
-    model = make(a, "softmax")
-    base, _ = step_latency(model, pos, a.steps)
-    print(f"| float32, {nthreads} threads | {base:.2f} | 1.00x |", flush=True)
-    bf, _ = step_latency(make(a, "softmax", torch.bfloat16), pos, a.steps)
-    print(f"| bfloat16 weights, {nthreads} threads | {bf:.2f} | {base / bf:.2f}x |", flush=True)
-    other = 1 if nthreads > 1 else os.cpu_count()
-    if other > 1 or nthreads > 1:
-        torch.set_num_threads(other)
-        one, _ = step_latency(model, pos, a.steps)
-        torch.set_num_threads(nthreads)
-        print(f"| float32, {other} thread(s) | {one:.2f} | {base / one:.2f}x |", flush=True)
-    if a.compile:
-        cm = torch.compile(model, dynamic=True)
-        t0 = time.perf_counter()
-        step_latency(model, pos, 4, fn=cm)  # compiles prefill and decode step
-        compile_s = time.perf_counter() - t0
-        cms, _ = step_latency(model, pos, a.steps, fn=cm)
-        print(f"| float32, torch.compile (dynamic=True; compile {compile_s:.0f} s) "
-              f"| {cms:.2f} | {base / cms:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

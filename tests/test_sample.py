@@ -211,6 +211,23 @@ def test_stream_equals_decode_of_generated_tokens(ws, capsys, attention):
     assert out.startswith(prompt)
 
 
+@pytest.mark.slow
+def test_compile_auto_switches_by_length_and_keeps_the_text(ws, capsys, monkeypatch):
+    """--compile=auto stays eager for a short CPU run (compiling would cost more than it
+    saves) and compiles once the requested length passes the measured break-even (lowered
+    here so the test stays short); the compiled step prints the same sampled text as the
+    eager one, past block_size (the rolling cache) and with a seed."""
+    a = ("--out_dir=" + ws["softmax"], "--start=def f", f"--max_new_tokens={2 * BLOCK}",
+         "--temperature=1.0", "--top_k=0", "--stop_at_eos=False", "--seed=5")
+    eager = run(capsys, *a)
+    assert "compile off" in eager.err
+    monkeypatch.setitem(sample.COMPILE_PAYS_AFTER, "cpu", 2 * BLOCK)
+    compiled = run(capsys, *a)
+    assert "compile on" in compiled.err
+    assert compiled.out == eager.out
+    assert "compile off" in run(capsys, *a, "--compile=False").err
+
+
 def test_prompt_from_file(ws, capsys, tmp_path):
     text = "def f3(x):\n    return x * 3  # café"
     (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
@@ -283,6 +300,8 @@ def test_argument_errors(ws, capsys, tmp_path):
     assert "no checkpoint" in err(capsys, f"--out_dir={tmp_path}")
     assert "prompt file" in err(capsys, o, f"--start=FILE:{tmp_path / 'missing.txt'}")
     assert "rope_scaling" in err(capsys, o, "--rope_scaling=yarn")
+    assert "compile must be" in err(capsys, o, "--compile=yes")
+    assert "use_cache" in err(capsys, o, "--compile=True", "--use_cache=False")
 
 
 def test_learned_positions_past_block_size_is_an_error_with_cache(ws, capsys, tmp_path):

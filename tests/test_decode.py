@@ -1,0 +1,142 @@
+"""The decode loop's performance contracts, checked by what can be observed on a CPU: no
+device value read back to the host per token, one static compiled graph whose tokens equal
+the eager path's, and prompt-length-independent memory for the prefill."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from model import RoFormer, RoFormerConfig  # noqa: E402
+
+
+def tiny(**kw):
+    args = dict(vocab_size=61, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    args.update(kw)
+    torch.manual_seed(0)
+    return RoFormer(RoFormerConfig(**args)).eval()
+
+
+class AtenLog(TorchDispatchMode):
+    """Every aten op that runs inside the `with` block, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_generate_reads_nothing_back_to_the_host(attention):
+    """On a GPU, reading a tensor's value on the host (`.item()`, `int(t)`, `.tolist()`) waits
+    for every queued kernel, so one such read per token serialises the CPU and the GPU. All of
+    them go through aten's _local_scalar_dense, which runs on the CPU too, so counting it there
+    shows the GPU's syncs. The old cache_step read `int(pos[0])` once per forward (11 reads
+    here); now the start position is a Python int in the prefill and a device tensor in the
+    per-token step. 20 tokens at block_size 8 cover the rolling window, and sampling with
+    top-k and top-p covers sample_next."""
+    m = tiny(attention=attention)
+    idx = torch.randint(0, 61, (2, 5))
+    for kw in [dict(temperature=0), dict(temperature=0.9, top_k=5, top_p=0.8)]:
+        with AtenLog() as log:
+            out = m.generate(idx, 20, generator=torch.Generator().manual_seed(0), **kw)
+        assert out.shape == (2, 25)
+        assert "aten._local_scalar_dense" not in log.ops, kw
+
+
+PEAK_RSS = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from model import RoFormer, RoFormerConfig
+torch.set_num_threads(1)
+torch.manual_seed(0)
+m = RoFormer(RoFormerConfig(vocab_size=61, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval()
+m.generate(torch.randint(0, 61, (1, 8)), 2)  # allocator and lazy init warm
+idx = torch.randint(0, 61, (1, {prompt}))
+m.generate(idx, 4, temperature=0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss is in KiB on Linux only")
+def test_long_prompt_peak_memory_does_not_grow_with_its_length():
+    """A prompt longer than the cache used to be prefilled as one chunk attending through a
+    (T, slots + T) mask: at T = 8192 and block 64 that is 8192 x 8256 scores per head (about
+    0.5 GiB here in float32 plus the mask), quadratic in T. Prefilled in chunks of at most the
+    cache size, the peak stays that of a 64-token prompt. Measured as peak RSS of a fresh
+    process (torch's allocations are invisible to tracemalloc); the old code's peak is
+    hundreds of MiB higher, the allowed slack is 8 MiB."""
+    peaks = {}
+    for prompt in (64, 8192):
+        r = subprocess.run([sys.executable, "-c", PEAK_RSS.format(root=ROOT, prompt=prompt)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        peaks[prompt] = int(r.stdout.split()[-1]) / 1024
+    assert peaks[8192] - peaks[64] < 8, peaks
+
+
+def test_long_prompt_chunked_prefill_equals_token_by_token():
+    """The chunked prefill (chunks of the cache size, 3.5 of them here) gives the same first
+    token and the same continuation as feeding the prompt one token at a time."""
+    m = tiny()
+    idx = torch.randint(0, 61, (2, 28))
+    got = m.generate(idx, 6, temperature=0)
+    m.reset_cache(34, idx.device)
+    for t in range(28):
+        logits = m(idx[:, t:t + 1], start_pos=t)[0][:, -1]
+    seq = [logits.argmax(-1, keepdim=True)]
+    for t in range(28, 33):
+        seq.append(m(seq[-1], start_pos=t)[0][:, -1].argmax(-1, keepdim=True))
+    assert torch.equal(got[:, 28:], torch.cat(seq, 1))
+
+
+def test_tensor_position_step_equals_int_position_step():
+    """The static step (position as a (1,) tensor, table rows gathered) computes the same
+    logits as the int-position forward, inside and past block_size, for every position
+    encoding that can decode there."""
+    for pos_encoding in ["rope", "sinusoidal", "none", "learned"]:
+        m = tiny(pos_encoding=pos_encoding, block_size=16 if pos_encoding == "learned" else 8)
+        T = 16 if pos_encoding == "learned" else 20
+        idx = torch.randint(0, 61, (2, T))
+        outs = []
+        for as_tensor in (False, True):
+            m.reset_cache(T, idx.device)
+            m.pos_tables(T, idx.device) if pos_encoding in ("rope", "sinusoidal") else None
+            out = [m(idx[:, :3], start_pos=0)[0]]
+            for t in range(3, T):
+                p = torch.tensor([t]) if as_tensor else t
+                out.append(m(idx[:, t:t + 1], start_pos=p)[0])
+            outs.append(torch.cat(out, 1))
+        assert torch.equal(outs[0], outs[1]), pos_encoding
+    with pytest.raises(ValueError, match="one token"):
+        m(idx[:, :2], start_pos=torch.tensor([3]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["softmax", "linear"])
+def test_compiled_decode_gives_the_eager_tokens_from_one_graph(attention):
+    """compile=True: greedy and seeded sampling give exactly the eager tokens in float32
+    (sampling runs outside the compiled graph, on logits that agree), past block_size too.
+    After the first compile, a second call of the same shape runs with recompilation made an
+    error: the step is static (same shapes at every position, the position a tensor)."""
+    m = tiny(attention=attention)
+    prompt = torch.randint(0, 61, (2, 5))
+    torch._dynamo.reset()
+    for kw in [dict(temperature=0), dict(temperature=1.0, top_k=10, top_p=0.9)]:
+        want = m.generate(prompt, 20, generator=torch.Generator().manual_seed(1), **kw)
+        got = m.generate(prompt, 20, generator=torch.Generator().manual_seed(1), compile=True,
+                         **kw)
+        assert torch.equal(got, want), kw
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = m.generate(prompt, 20, temperature=0, compile=True)
+    assert torch.equal(again, m.generate(prompt, 20, temperature=0))
+    assert m.slot_pos is None and all(b.attn.cache is None for b in m.blocks)
+    with pytest.raises(ValueError, match="use_cache"):
+        m.generate(prompt, 3, compile=True, use_cache=False)
