@@ -67,30 +67,35 @@ def run_one(attention, pos, N, n_embd, n_head, reps, chunk):
     return {"ms": 1000 * med[pos], "peak_mib": peak / 1024}
 
 
-def run_position(pos, N, n_embd, n_head, reps):
-    """Fwd+bwd time and peak memory of the one softmax layer of a 1-layer model with
-    positions `pos`, bias included; runs inside its own process."""
+def position_step(pos, N, n_embd, n_head):
+    """One fwd+bwd of the softmax layer of a 1-layer model with positions `pos`, bias
+    included (built as RoFormer.forward builds it), as a function to call."""
     torch.manual_seed(0)
     model = RoFormer(RoFormerConfig(vocab_size=8, block_size=N, n_layer=1, n_head=n_head,
                                     n_embd=n_embd, pos_encoding=pos))
     layer = model.blocks[0].attn  # the t5 table lives in the model, shaw's in the layer
     x = torch.randn(1, N, n_embd, requires_grad=True)
     p = torch.arange(N)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
+
+    def step():
         rope = (model.rope_cos[:N], model.rope_sin[:N]) if pos == "rope" else None
         rel = None
-        if pos in RELATIVE:  # as RoFormer.forward builds it
+        if pos in RELATIVE:
             d = p[:, None] - p[None, :]
             rel = (model.position_bias(d, d >= 0), d)
         layer(x, rope, None, rel).sum().backward()
-        times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
         x.grad = None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
-    return {"ms": 1000 * sorted(times[1:])[len(times[1:]) // 2], "peak_mib": peak / 1024}
+    return step
+
+
+def position_peak(pos, N, n_embd, n_head):
+    """Peak RSS growth (MiB) of two fwd+bwd steps; runs inside its own process."""
+    step = position_step(pos, N, n_embd, n_head)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()
+    step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
 
 
 def flex_vs_sdpa(Ns, n_embd, n_head, reps):
@@ -185,7 +190,7 @@ def main():
     a = ap.parse_args()
     if a.one_pos:
         pos, N = a.one_pos.split(",")
-        print(json.dumps(run_position(pos, int(N), a.n_embd, a.n_head, a.reps)))
+        print(position_peak(pos, int(N), a.n_embd, a.n_head))
         return
     if a.flex:
         flex_vs_sdpa([int(n) for n in a.lengths.split(",")], a.n_embd, a.n_head, a.reps)
@@ -232,21 +237,33 @@ def main():
 
 
 def positions_table(a):
+    """Time: the five encodings round-robin in this process, rep by rep, so load changes hit
+    them alike; memory: a fresh process per cell."""
     Ns = [int(n) for n in (a.lengths if a.lengths != LENGTHS else "512,2048,8192").split(",")]
     print(f"# one softmax layer, fwd+bwd, batch 1, {a.n_head} heads x {a.n_embd // a.n_head}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; ratio: ms / rope's ms")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {a.reps} "
+          f"round-robin reps; ratios to rope")
     print("| N | positions | ms | vs rope | peak MiB | vs rope |")
     print("|--:|---|--:|--:|--:|--:|")
     for N in Ns:
-        rows = {}
+        peak = {}
         for pos in POSITIONS:
             cmd = [sys.executable, __file__, "--one_pos", f"{pos},{N}", "--n_embd", str(a.n_embd),
-                   "--n_head", str(a.n_head), "--reps", str(a.reps)]
-            rows[pos] = r = json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                                      text=True).stdout)
-            print(f"| {N} | {pos} | {r['ms']:.1f} | {r['ms'] / rows['rope']['ms']:.2f} "
-                  f"| {r['peak_mib']:.0f} | {r['peak_mib'] / rows['rope']['peak_mib']:.2f} |",
-                  flush=True)
+                   "--n_head", str(a.n_head)]
+            peak[pos] = float(subprocess.run(cmd, check=True, capture_output=True,
+                                             text=True).stdout)
+        steps = {pos: position_step(pos, N, a.n_embd, a.n_head) for pos in POSITIONS}
+        times = {pos: [] for pos in POSITIONS}
+        for i in range(a.reps + 1):  # the first round is a warm-up
+            for pos, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                if i:
+                    times[pos].append(1000 * (time.perf_counter() - t0))
+        ms = {pos: sorted(t)[len(t) // 2] for pos, t in times.items()}
+        for pos in POSITIONS:
+            print(f"| {N} | {pos} | {ms[pos]:.1f} | {ms[pos] / ms['rope']:.2f} "
+                  f"| {peak[pos]:.0f} | {peak[pos] / peak['rope']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
