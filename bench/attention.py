@@ -90,10 +90,9 @@ def position_step(pos, N, n_embd, n_head):
 
 
 def position_peak(pos, N, n_embd, n_head):
-    """Peak RSS growth (MiB) of two fwd+bwd steps; runs inside its own process."""
+    """Peak RSS growth (MiB) of one fwd+bwd step; runs inside its own process."""
     step = position_step(pos, N, n_embd, n_head)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    step()
     step()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
 
@@ -250,10 +249,13 @@ def positions_table(a):
         for pos in POSITIONS:
             cmd = [sys.executable, __file__, "--one_pos", f"{pos},{N}", "--n_embd", str(a.n_embd),
                    "--n_head", str(a.n_head)]
-            # two processes, the larger figure: a process now and then reports no growth
-            # (its setup's high-water mark already covered the step) on a loaded machine
-            peak[pos] = max(float(subprocess.run(cmd, check=True, capture_output=True,
-                                                 text=True).stdout) for _ in range(2))
+            # a process now and then reports no growth on a loaded machine (its setup's
+            # high-water mark already covered the step): then one more try
+            for _ in range(2):
+                peak[pos] = float(subprocess.run(cmd, check=True, capture_output=True,
+                                                 text=True).stdout)
+                if peak[pos] > 0:
+                    break
         steps = {pos: position_step(pos, N, a.n_embd, a.n_head) for pos in POSITIONS}
         times = {pos: [] for pos in POSITIONS}
         for i in range(a.reps + 1):  # the first round is a warm-up
