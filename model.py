@@ -2,7 +2,8 @@
 A decoder-only RoFormer: a GPT-style language model whose attention knows positions only
 through Rotary Position Embedding (RoPE, Su et al. 2021). Read top to bottom:
 
-  1. RoPE: the angle table and the rotation.
+  1. RoPE: the angle table and the rotation; the baselines it is compared with (absolute
+     tables, and the relative biases Shaw, T5 and ALiBi).
   2. Linear attention (RoFormer eq. 19): chunked causal form, also used for decoding.
   3. Attention, MLP, Block, RoFormer (forward, generate, optimizer, FLOPs).
 
@@ -17,6 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
+
+
 @dataclass
 class RoFormerConfig:
     vocab_size: int = 4096
@@ -29,22 +33,34 @@ class RoFormerConfig:
     rope_base: float = 10000.0
     attention: str = "softmax"    # "softmax" | "linear"
     feature_map: str = "elu"      # linear attention only: "elu" (elu+1) | "relu"
-    pos_encoding: str = "rope"    # "rope" | "learned" | "sinusoidal" | "none" (baselines)
+    pos_encoding: str = "rope"    # "rope" | baselines: "learned" | "sinusoidal" | "none" |
+                                  # "shaw" | "t5" | "alibi" (relative biases, softmax only)
     linear_chunk: int = 64        # chunk length of the causal linear-attention kernel
     linear_norm: bool = False     # RMS-normalise each linear-attention head's output
     rope_scaling: str = "none"    # context extension at inference: "none" | "linear" | "ntk"
     rope_factor: float = 1.0      # how many times block_size the scaled RoPE should cover
+    rel_clip: int = 16            # shaw: distances beyond this share one embedding
+    t5_buckets: int = 32          # t5: number of distance buckets (half exact, half log-spaced)
+    t5_max_distance: int = 128    # t5: distances from here on share the last bucket
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk"):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
+                     "rel_clip", "t5_buckets", "t5_max_distance"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         choices = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
-                   "pos_encoding": ("rope", "learned", "sinusoidal", "none"),
+                   "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
                    "rope_scaling": ("none", "linear", "ntk")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.attention == "linear" and self.pos_encoding in RELATIVE:
+            raise ValueError(f"pos_encoding={self.pos_encoding!r} adds a bias to every attention "
+                             f"score, and linear attention never forms the score matrix: use "
+                             f"attention='softmax' (or rope, which linear attention can use)")
+        if self.t5_max_distance <= self.t5_buckets // 2:
+            raise ValueError(f"t5_max_distance ({self.t5_max_distance}) must exceed the "
+                             f"t5_buckets // 2 = {self.t5_buckets // 2} exact buckets")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.pos_encoding == "rope" and (self.n_embd // self.n_head) % 2:
@@ -117,6 +133,45 @@ def sinusoidal_embedding(pos, dim):
     return table.float()
 
 
+# Relative baselines. Each one turns the distances d = i - j (query position minus key
+# position, an integer (Lq, Lk) matrix) into a float32 bias added to the attention scores.
+# Only distances enter, never the positions themselves, so the same functions serve the
+# training forward and the decoding cache (whose keys sit in slots at known positions), and
+# all three are shift invariant. They are causal: only d >= 0 is ever visible.
+
+def shaw_bias(q, table, d):
+    """Shaw et al. 2018, keys side: q_i . a_clip(i-j) / sqrt(D), the part of the score
+    q_i . (k_j + a_ij) that the keys do not give. table: (rel_clip + 1, D), one learned vector
+    per clipped distance 0..rel_clip (causal: the paper's 2k+1 vectors minus the k for future
+    keys), shared by the heads. q: (B, H, Lq, D) -> (B, H, Lq, Lk).
+    Computed as the (Lq, rel_clip+1) products q . a, then gathered by distance: never the
+    (Lq, Lk, D) tensor of the a_ij; the extra memory is that small product plus the
+    (B, H, Lq, Lk) result, the size of the score matrix. The values-side term is left out."""
+    qa = q.float() @ table.float().t()
+    idx = d.clamp(0, table.size(0) - 1).expand(*qa.shape[:2], -1, -1)
+    return qa.gather(-1, idx) / math.sqrt(q.size(-1))
+
+
+def t5_bucket(d, num_buckets=32, max_distance=128):
+    """T5's causal bucket of each distance d = i - j >= 0: d itself below num_buckets // 2,
+    then log-spaced buckets up to max_distance, and the last bucket beyond."""
+    d = d.clamp(min=0)
+    exact = num_buckets // 2
+    far = exact + (torch.log(d.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                   * (num_buckets - exact)).long()
+    return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
+
+
+def alibi_slopes(n_head):
+    """Press et al.'s head slopes: for n heads, n a power of two, the geometric sequence
+    2^(-8/n), 2^(-16/n), .., 2^(-8). Otherwise the n' = largest power of two below n gives n'
+    slopes, and the rest are the slopes of 2n' heads that fall between them (every other one,
+    from the first), as in the paper's code."""
+    p = 2 ** int(math.log2(n_head))
+    slopes = [2 ** (-8 * (i + 1) / p) for i in range(p)]
+    return slopes + [2 ** (-8 * (i + 1) / (2 * p)) for i in range(0, 2 * p, 2)][:n_head - p]
+
+
 # ----------------------------------------------------------------------------------------
 # 2. Linear attention, RoFormer eq. 19, causal:
 #
@@ -184,11 +239,16 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # shaw: this layer's key-side distance embeddings, shared across heads
+        self.rel_k = (nn.Embedding(cfg.rel_clip + 1, self.head_dim)
+                      if cfg.pos_encoding == "shaw" else None)
         # Decoding state, set only inside generate / a cached forward: rolling (k, v) buffers
         # for softmax, the recurrent (S, z) for linear attention.
         self.cache = None
 
-    def forward(self, x, rope, step=None):
+    def forward(self, x, rope, step=None, rel=None):
+        """rel (relative encodings only): (float mask, distances) from RoFormer.position_bias,
+        the mask holding the bias and -inf where a key is not visible."""
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv
@@ -209,19 +269,27 @@ class Attention(nn.Module):
         else:
             if rope is not None:
                 q, k = apply_rope(qkv[:2], cos, sin)  # q and k in one go; v is not rotated
-            if step is None:
+            mask = None
+            if rel is not None:  # the one place a position bias meets the scores
+                mask = rel[0] if self.rel_k is None else rel[0] + shaw_bias(q, self.rel_k.weight,
+                                                                            rel[1])
+                # SDPA wants q's dtype; built in float32, the bias is rounded only here
+                mask = mask.to(q.dtype)
+            if step is None:  # with a float mask SDPA cannot use is_causal: -inf does it
                 y = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, dropout_p=self.cfg.dropout if self.training else 0.0)
+                    q, k, v, attn_mask=mask, is_causal=mask is None,
+                    dropout_p=self.cfg.dropout if self.training else 0.0)
             else:
-                y = self.cached_attention(q, k, v, step)
+                y = self.cached_attention(q, k, v, step, mask)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.c_proj(y))
 
-    def cached_attention(self, q, k, v, step):
+    def cached_attention(self, q, k, v, step, bias=None):
         """Attend from T new queries to the rolling cache plus the new keys, then store the new
         keys. Keys go in already rotated at their absolute position and are never touched
-        again; only slots whose key has left the window get overwritten."""
-        buf, slots, mask, write_first = step
+        again; only slots whose key has left the window get overwritten. bias, if given, is
+        the float mask of a relative encoding over the same keys, used instead of step's."""
+        buf, slots, mask, write_first = step[:4]
         if self.cache is None:  # preallocated once per generate call, then only written into
             shape = (q.size(0), self.n_head, buf, self.head_dim)
             self.cache = (k.new_zeros(shape), v.new_zeros(shape))
@@ -234,7 +302,8 @@ class Attention(nn.Module):
             # (the classic chunked-prefill bug), so attend to old cache + new keys, then write.
             keys, vals = torch.cat((ck, k), dim=2), torch.cat((cv, v), dim=2)
             ck[:, :, slots], cv[:, :, slots] = k[:, :, -buf:], v[:, :, -buf:]
-        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys, vals,
+                                              attn_mask=mask if bias is None else bias)
 
 
 class MLP(nn.Module):
@@ -258,8 +327,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, step=None):
-        x = x + self.attn(self.ln_1(x), rope, step)
+    def forward(self, x, rope, step=None, rel=None):
+        x = x + self.attn(self.ln_1(x), rope, step, rel)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -269,6 +338,9 @@ class RoFormer(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_encoding == "learned" else None
+        # t5: one scalar per (bucket, head), shared by all layers as in T5
+        self.rel_bias = (nn.Embedding(cfg.t5_buckets, cfg.n_head)
+                         if cfg.pos_encoding == "t5" else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -347,14 +419,34 @@ class RoFormer(nn.Module):
         if c.pos_encoding == "rope":
             rope = (self.rope_cos[rows], self.rope_sin[rows])
         step = None if start_pos is None else self.cache_step(pos, start_pos)
+        rel = None
+        if c.pos_encoding in RELATIVE:  # distances: query x key, or query x cache slot
+            d = pos[:, None] - pos[None, :] if step is None else step[4]
+            rel = (self.position_bias(d, d >= 0 if step is None else step[2]), d)
         for block in self.blocks:
-            x = block(x, rope, step)
+            x = block(x, rope, step, rel)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                    ignore_index=-1)
         return logits, loss
+
+    def position_bias(self, d, visible):
+        """The float32 attention mask of a relative encoding for distances d (Lq, Lk): the
+        bias shared by all layers (t5, alibi; (H, Lq, Lk)) or zeros (shaw, whose term depends
+        on each layer's queries; (1, Lq, Lk)), and -inf where `visible` is False, which is
+        how causality (and the decoding window) enters once SDPA cannot take is_causal."""
+        c = self.config
+        if c.pos_encoding == "t5":
+            bias = self.rel_bias(t5_bucket(d, c.t5_buckets, c.t5_max_distance))
+            bias = bias.permute(2, 0, 1).float()
+        elif c.pos_encoding == "alibi":
+            slopes = torch.tensor(alibi_slopes(c.n_head), dtype=torch.float32, device=d.device)
+            bias = -slopes[:, None, None] * d.float()
+        else:
+            bias = torch.zeros(1, *d.shape, device=d.device)
+        return bias.masked_fill(~visible, float("-inf"))
 
     # --- incremental decoding -----------------------------------------------------------
 
@@ -393,7 +485,7 @@ class RoFormer(nn.Module):
         # bias that depends on distance only would be computed from d and join the mask here.
         d = pos[:, None] - kpos[None, :]
         mask = (kpos[None, :] >= 0) & (d >= 0) & (d < self.config.block_size)
-        return buf, slots, mask, write_first
+        return buf, slots, mask, write_first, d  # d: the distances, for relative encodings
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,

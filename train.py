@@ -70,6 +70,7 @@ linear_chunk = 64
 linear_norm = False
 rope_scaling = "none"
 rope_factor = 1.0
+rel_clip, t5_buckets, t5_max_distance = 16, 32, 128  # pos_encoding shaw / t5 only
 # AdamW, linear warmup then cosine decay to min_lr at lr_decay_iters
 learning_rate = 6e-4
 max_iters = 5000

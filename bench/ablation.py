@@ -3,6 +3,7 @@ What RoPE buys, measured on this repo: a position-encoding ablation, length extr
 and generation past the training length. One command runs all three:
 
     python bench/ablation.py                     # the defaults: a 2-core CPU, < 45 minutes
+    python bench/ablation.py --variants=rope,shaw,t5,alibi --seeds=1337   # relative baselines
     python bench/ablation.py --device=cuda --max_iters=3000 --n_layer=6 --n_embd=384 \\
         --block_size=256 --batch_size=64 --out=bench/results/gpu
 
@@ -11,6 +12,8 @@ and generation past the training length. One command runs all three:
    same batches) and only the position encoding / attention changed:
      rope, learned, sinusoidal, none          softmax attention
      linear_rope, linear_none                 linear attention (RoFormer eq. 19)
+     shaw, t5, alibi                          relative biases on the scores (softmax only;
+                                              not in the default set: --variants adds them)
    The headline pair (rope vs learned) runs once per seed in --seeds; the other variants run
    with the first seed only (--all_seeds for every seed). Output: the loss curves
    (curves.csv, loss_curves.png when matplotlib is installed) and a table of validation loss
@@ -62,7 +65,12 @@ VARIANTS = {
     "none": {"attention": "softmax", "pos_encoding": "none"},
     "linear_rope": {"attention": "linear", "pos_encoding": "rope"},
     "linear_none": {"attention": "linear", "pos_encoding": "none"},
+    "shaw": {"attention": "softmax", "pos_encoding": "shaw"},
+    "t5": {"attention": "softmax", "pos_encoding": "t5"},
+    "alibi": {"attention": "softmax", "pos_encoding": "alibi"},
 }
+# what the default run trains: ~20 minutes on a 2-core CPU (the relative three add ~7)
+DEFAULT_VARIANTS = ("rope", "learned", "sinusoidal", "none", "linear_rope", "linear_none")
 MULTIPLES = (1, 2, 4)  # extrapolation lengths, in units of block_size
 
 
@@ -72,7 +80,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--stages", default="train,extrap,gen",
                     help="comma list out of train, extrap, gen (extrap and gen need the runs)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma list out of {', '.join(VARIANTS)}")
     ap.add_argument("--headline", default="rope,learned",
                     help="variants trained once per seed; the others use the first seed only")
     ap.add_argument("--seeds", default="1337,1338")
@@ -412,12 +421,12 @@ def keep_sinks(model, n_sink):
         if int(model.slot_pos.max()) >= 0 or pos.numel() <= buf:
             raise RuntimeError("keep_sinks supports one prefill longer than block_size only")
         kpos = torch.cat((model.slot_pos, pos))  # empty slots (-1), then this chunk's keys
-        d = pos[:, None] - kpos[None, :]
+        d = pos[:, None] - kpos[None, :]  # true distances, also for a relative bias
         recent = (d >= 0) & (d < bs - n_sink)
         sink = (d >= 0) & (kpos[None, :] >= 0) & (kpos[None, :] < n_sink)
         kept = pos[-buf:]
         model.slot_pos = model.slot_pos.index_put((kept % buf,), kept)
-        return buf, kept % buf, (recent | sink) & (kpos[None, :] >= 0), False
+        return buf, kept % buf, (recent | sink) & (kpos[None, :] >= 0), False, d
 
     model.cache_step = cache_step  # an instance attribute: this model object only
     return model

@@ -50,6 +50,11 @@ def test_sinks_zero_is_the_plain_rolling_cache():
     assert torch.allclose(plain, sinks, atol=1e-5)
 
 
+def test_default_variants_leave_out_the_relative_baselines():
+    assert ablation.parse_args([]).variants == list(ablation.DEFAULT_VARIANTS)
+    assert ablation.parse_args(["--variants=rope,t5"]).variants == ["rope", "t5"]
+
+
 def test_sinks_see_the_first_positions_and_the_recent_window():
     """One layer, no position encoding: attention is then a function of the set of visible
     keys, so the prediction at position m must equal a plain forward over exactly the tokens
@@ -100,7 +105,8 @@ def test_ablation_smoke(tmp_path, capsys):
     argv = [f"--data_dir={data}", f"--out={out}", "--max_iters=4", "--eval_interval=2",
             "--eval_iters=1", "--batch_size=4", "--block_size=16", "--n_layer=1", "--n_head=2",
             "--n_embd=16", "--seeds=3,4", "--eval_windows=2", "--eval_batch=2", "--gen_seqs=2",
-            "--gen_mult=3", "--gen_stride=2", "--sinks=2", "--log_interval=2"]  # the last one goes to train.py
+            "--gen_mult=3", "--gen_stride=2", "--sinks=2", "--variants=" + ",".join(ablation.VARIANTS),
+            "--log_interval=2"]  # the last one goes to train.py
     ablation.main(argv)
     runs = {(v, s) for v in ablation.VARIANTS for s in ([3, 4] if v in ("rope", "learned") else [3])}
 
@@ -125,10 +131,12 @@ def test_ablation_smoke(tmp_path, capsys):
     assert {m for v, s, m in by if v == "rope"} == {"full", "pi", "ntk", "window"}
     assert {m for v, s, m in by if v == "learned"} == {"full"}
     assert {m for v, s, m in by if v.startswith("linear")} == {"full"}
+    for v in ("shaw", "t5", "alibi"):
+        assert {m for vv, s, m in by if vv == v} == {"full", "window"}
 
     gen = read_csv(os.path.join(out, "generation.csv"))
     methods = {(r["variant"], r["method"]) for r in gen}
-    for v in ("rope", "sinusoidal", "none"):
+    for v in ("rope", "sinusoidal", "none", "shaw", "t5", "alibi"):
         assert {m for vv, m in methods if vv == v} == {"crop", "full", "rolling", "sinks"}
     assert {m for vv, m in methods if vv == "learned"} == {"crop"}
     for v in ("linear_rope", "linear_none"):
@@ -152,7 +160,7 @@ def test_ablation_smoke(tmp_path, capsys):
 
 
 def test_bad_arguments_exit_with_one_line():
-    for argv, word in [(["--variants=rope,alibi"], "alibi"), (["--seeds=1,x"], "seeds"),
+    for argv, word in [(["--variants=rope,xpos"], "xpos"), (["--seeds=1,x"], "seeds"),
                        (["--stages=train,plot"], "plot"), (["positional"], "positional"),
                        (["--max_iters=10", "--eval_interval=20"], "eval_interval"),
                        (["--stages=extrap", "--dtype=float32"], "dtype")]:

@@ -381,7 +381,7 @@ def test_sampling_argument_validation():
     (dict(n_embd=12, n_head=4), "even"),           # head dim 3
     (dict(attention="flash"), "attention"),
     (dict(feature_map="softplus"), "feature_map"),
-    (dict(pos_encoding="alibi"), "pos_encoding"),
+    (dict(pos_encoding="xpos"), "pos_encoding"),
     (dict(rope_scaling="yarn"), "rope_scaling"),
     (dict(block_size=0), "block_size"),
     (dict(dropout=1.0), "dropout"),
