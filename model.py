@@ -369,6 +369,18 @@ class RoFormer(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
+    def _apply(self, fn, *args, **kwargs):
+        # model.to(torch.bfloat16) casts every float buffer, and a later .float() cannot undo
+        # the rounding (cos/sin off by ~4e-3). The position tables are float32 by design: after
+        # a conversion keep their float32 values, moved to wherever the model went.
+        tables = {n: getattr(self, n) for n in ("rope_cos", "rope_sin", "sin_emb")}
+        super()._apply(fn, *args, **kwargs)
+        for name, before in tables.items():
+            after = getattr(self, name)
+            if after.dtype != before.dtype and not before.is_meta:
+                setattr(self, name, before.to(after.device))
+        return self
+
     def pos_tables(self, n, device):
         """The fixed tables for positions 0..n-1 (at least), float32: (cos, sin) for RoPE, the
         (n, n_embd) embedding for the sinusoidal baseline. Built only when missing, cast, or

@@ -146,12 +146,19 @@ def test_rope_matches_explicit_rotation_matrix():
 def test_rope_tables_stay_float32_and_out_of_state_dict():
     m = tiny()
     assert "rope_cos" not in m.state_dict() and "rope_sin" not in m.state_dict()
-    m = m.to(torch.bfloat16)  # casts every float buffer, the tables included
+    m = m.to(torch.bfloat16)  # casts every float buffer, but the tables stay float32
     idx = torch.randint(0, 61, (1, 16))
     m(idx)
     assert m.rope_cos.dtype == torch.float32
-    cos, _ = rope_table(torch.arange(16), 8)
+    cos, sin = rope_table(torch.arange(16), 8)
     assert torch.equal(m.rope_cos[:16], cos)
+    # A round trip must not leave bf16-rounded tables behind in float32 clothing (they used
+    # to come back ~4e-3 off, the right dtype, so nothing rebuilt them).
+    m = tiny().to(torch.bfloat16).float()
+    assert torch.equal(m.rope_cos[:16], cos) and torch.equal(m.rope_sin[:16], sin)
+    s = tiny(pos_encoding="sinusoidal")
+    table = s.sin_emb.clone()
+    assert torch.equal(s.to(torch.bfloat16).double().float().sin_emb, table)
 
 
 def test_rope_scaling_variants():
