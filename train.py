@@ -593,3 +593,11 @@ if wandb_log and master:
 if ddp:
     torch.distributed.barrier()  # nobody leaves before rank 0 has saved
     torch.distributed.destroy_process_group()
+    # Everything is written (checkpoint renamed, log and wandb closed), so leave without the
+    # interpreter's finalization: the DDP/FSDP wrapper still holds the process group, and
+    # tearing down gloo's worker threads during finalization sometimes aborts (SIGABRT,
+    # "terminate called without an active exception"), so torchrun would report a finished
+    # run as failed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
