@@ -347,8 +347,8 @@ class RoFormer(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
         # The fixed position tables, RoPE's cos/sin or the sinusoidal baseline's embedding: not
-        # persistent (never in a checkpoint, so rope_scaling can change at inference), rebuilt
-        # in float32 if model.to(bf16) casts them, grown past block_size.
+        # persistent (never in a checkpoint, so rope_scaling can change at inference), kept
+        # float32 when the model is cast (_apply), grown past block_size.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self.register_buffer("sin_emb", torch.empty(0), persistent=False)
@@ -383,11 +383,11 @@ class RoFormer(nn.Module):
 
     def pos_tables(self, n, device):
         """The fixed tables for positions 0..n-1 (at least), float32: (cos, sin) for RoPE, the
-        (n, n_embd) embedding for the sinusoidal baseline. Built only when missing, cast, or
-        too short (decoding past them), then grown geometrically."""
+        (n, n_embd) embedding for the sinusoidal baseline. Built only when missing or too
+        short (decoding past them), then grown geometrically."""
         c = self.config
         have = self.rope_cos if c.pos_encoding == "rope" else self.sin_emb
-        if have.size(0) < n or have.dtype != torch.float32:
+        if have.size(0) < n:
             # On the CPU explicitly (float64 exists there on every machine): a model built under
             # torch.device("meta") still gets real tables, which its materialisation carries over.
             pos = torch.arange(max(n, c.block_size, 2 * have.size(0)), device="cpu")
