@@ -386,6 +386,8 @@ class RoFormer(nn.Module):
         (n, n_embd) embedding for the sinusoidal baseline. Built only when missing or too
         short (decoding past them), then grown geometrically."""
         c = self.config
+        if c.pos_encoding not in ("rope", "sinusoidal"):
+            return None  # the other encodings have no fixed table
         have = self.rope_cos if c.pos_encoding == "rope" else self.sin_emb
         if have.size(0) < n:
             # On the CPU explicitly (float64 exists there on every machine): a model built under
@@ -419,8 +421,7 @@ class RoFormer(nn.Module):
             if c.pos_encoding == "learned" and p0 + T > c.block_size:
                 raise ValueError(f"learned positions end at block_size={c.block_size}; cannot "
                                  f"run position {p0 + T - 1} (use use_cache=False to crop)")
-            if c.pos_encoding in ("rope", "sinusoidal"):
-                self.pos_tables(p0 + T, idx.device)
+            self.pos_tables(p0 + T, idx.device)
         x = self.wte(idx)
         if c.pos_encoding == "learned":
             x = x + self.wpe(pos)
@@ -493,8 +494,8 @@ class RoFormer(nn.Module):
             self.slot_pos[slots] = kept
         else:
             self.slot_pos = self.slot_pos.index_put((slots,), kept)
-        # The one place that sees query x key distances (cached and rolling paths alike): a
-        # bias that depends on distance only would be computed from d and join the mask here.
+        # The one place that sees query x key distances (cached and rolling paths alike): the
+        # relative encodings turn d into their bias (position_bias), exact past block_size too.
         d = pos[:, None] - kpos[None, :]
         mask = (kpos[None, :] >= 0) & (d >= 0) & (d < self.config.block_size)
         return buf, slots, mask, write_first, d  # d: the distances, for relative encodings
