@@ -43,6 +43,12 @@ class RoFormerConfig:
     t5_buckets: int = 32          # t5: number of distance buckets (half exact, half log-spaced)
     t5_max_distance: int = 128    # t5: distances from here on share the last bucket
 
+    @property
+    def context_window(self):
+        """Tokens a query may attend to when decoding or scoring: block_size, times rope_factor
+        when RoPE scaling extends the context at inference."""
+        return int(self.block_size * self.rope_factor)
+
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
                      "rel_clip", "t5_buckets", "t5_max_distance"):
@@ -73,6 +79,21 @@ class RoFormerConfig:
         if self.rope_base <= 1.0 or self.rope_factor < 1.0:
             raise ValueError(f"rope_base must be > 1 and rope_factor >= 1, got "
                              f"{self.rope_base} and {self.rope_factor}")
+
+
+@torch.no_grad()
+def init_parameter(name, p, n_layer, generator=None):
+    """The one initialisation rule, by parameter name (RoFormer's __init__ and the FSDP
+    meta-device build in parallel.py both call it): matrices (linear and embedding weights)
+    normal(0, 0.02), the residual projections c_proj scaled down by 1/sqrt(2 n_layer) so the
+    residual stream's variance does not grow with depth; norm weights 1, biases 0."""
+    if name.endswith("bias"):
+        p.zero_()
+    elif p.dim() == 1:
+        p.fill_(1.0)
+    else:
+        std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
+        p.normal_(0.0, std, generator=generator)
 
 
 # ----------------------------------------------------------------------------------------
@@ -357,17 +378,8 @@ class RoFormer(nn.Module):
             # or mutates them (a host-to-device copy per step would also break a compiled graph)
             self.pos_tables(cfg.block_size, "cpu")
         self.slot_pos = None  # decoding: absolute position held by each cache slot (-1: empty)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # depth-scaled init of residual projections
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(m):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
+            init_parameter(name, p, cfg.n_layer)
 
     def _apply(self, fn, *args, **kwargs):
         # model.to(torch.bfloat16) casts every float buffer, and a later .float() cannot undo

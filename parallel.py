@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
-from model import RoFormer
+from model import RoFormer, init_parameter
 
 
 def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, compile=False,
@@ -105,35 +105,21 @@ def materialise(model, device):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    """RoFormer's initialisation, drawn so that it does not depend on the sharding: each full
-    parameter is drawn in turn from one generator seeded with `seed` on every rank, and each
-    rank keeps its own shard of it. (Sharded random ops would give every shard a stream of its
-    own: other weights for every number of ranks.) The rule is model.py's: normal(0, 0.02)
-    matrices, residual projections scaled by 1/sqrt(2 n_layer), norms at 1, biases at 0;
-    tests/test_fsdp.py checks that the two agree."""
-    gen, done = None, set()
-    for mname, mod in model.named_modules():
-        for name, p in mod.named_parameters(recurse=False):
-            if id(p) in done:  # the tied head: wte's weight, drawn once
-                continue
-            done.add(id(p))
-            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            if gen is None:
-                gen = torch.Generator(device=p.device).manual_seed(seed)
-            if isinstance(mod, (nn.Linear, nn.Embedding)) and name == "weight":
-                std = 0.02 / (2 * model.config.n_layer) ** 0.5 if mname.endswith("c_proj") else 0.02
-                full.normal_(0.0, std, generator=gen)
-            elif isinstance(mod, nn.LayerNorm) and name == "weight":
-                full.fill_(1.0)
-            elif isinstance(mod, (nn.Linear, nn.LayerNorm)) and name == "bias":
-                full.zero_()
-            else:
-                raise RuntimeError(f"init_weights has no rule for {mname}.{name}: add model.py's")
-            if isinstance(p, DTensor):  # this rank's piece, cut locally (src_data_rank=None)
-                full = distribute_tensor(full, p.device_mesh, p.placements,
-                                         src_data_rank=None).to_local()
-                p = p.to_local()
-            p.copy_(full)
+    """RoFormer's initialisation (model.init_parameter, the one rule), drawn so that it does
+    not depend on the sharding: each full parameter is drawn in turn from one generator seeded
+    with `seed` on every rank, and each rank keeps its own shard of it. (Sharded random ops
+    would give every shard a stream of its own: other weights for every number of ranks.)"""
+    gen = None
+    for name, p in model.named_parameters():  # the tied head is wte's weight: drawn once
+        full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        init_parameter(name, full, model.config.n_layer, gen)
+        if isinstance(p, DTensor):  # this rank's piece, cut locally (src_data_rank=None)
+            full = distribute_tensor(full, p.device_mesh, p.placements,
+                                     src_data_rank=None).to_local()
+            p = p.to_local()
+        p.copy_(full)
 
 
 def grad_sync(model, last):
