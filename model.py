@@ -594,15 +594,6 @@ class RoFormer(nn.Module):
 
     # --- training helpers ---------------------------------------------------------------
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas=(0.9, 0.95),
-                             device_type="cpu"):
-        """AdamW; weight decay on matrices (linears, embeddings) only, not on norms/biases."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
-                                 fused=device_type == "cuda")
-
     def num_params(self, non_embedding=True):
         """Parameter count. non_embedding drops the position table (the token table stays: it
         is also the output head)."""

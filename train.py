@@ -36,6 +36,7 @@ import parallel
 from configurator import (ConfigError, configure, cpu_has_bf16, cuda_autocast_dtype, file_sha256,
                           gpu_peak_flops)
 from model import RoFormerConfig
+from optim import build_optimizer
 
 # ----------------------------------------------------------------------------------------
 # defaults
@@ -333,8 +334,7 @@ raw_model, model, eval_model = parallel.build_model(
     mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
     param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
     activation_checkpointing=activation_checkpointing)
-optimizer = raw_model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2),
-                                           device_type)
+optimizer = build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type)
 # fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16") \
     if device_type == "cuda" else None
@@ -513,7 +513,7 @@ while iter_num < max_iters:
     t0 = time.time()
     lr = get_lr(iter_num)
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g["lr_scale"]
     loss_sum = torch.zeros((), device=device)
     for micro in range(local_steps):
         gstep = rank * local_steps + micro  # the global micro-step: same batches for any N

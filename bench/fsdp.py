@@ -39,6 +39,7 @@ def worker(args, mode, out):
 
     import parallel
     from model import RoFormerConfig
+    from optim import build_optimizer
     cuda = args["device"] == "cuda"
     rank = int(os.environ["RANK"])
     device = f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu"
@@ -52,7 +53,7 @@ def worker(args, mode, out):
     raw, model, _ = parallel.build_model(
         cfg, 1337, device, fsdp=mode == "fsdp", ddp=mode == "ddp",
         param_dtype=torch.bfloat16 if bf16 and mode == "fsdp" else None)
-    opt = raw.configure_optimizers(0.1, 1e-4, device_type=device.split(":")[0])
+    opt = build_optimizer(raw, 1e-4, 0.1, device_type=device.split(":")[0])
     # autocast for DDP's bf16, the mixed-precision policy for FSDP's (as train.py does)
     ac = torch.autocast(device.split(":")[0], torch.bfloat16, enabled=bf16 and mode == "ddp")
     g = torch.Generator().manual_seed(rank)

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configurator import ConfigError, configure  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
+from optim import build_optimizer  # noqa: E402
 
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
             "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5}
@@ -84,7 +85,7 @@ def bare_steps(stamps, n):
     torch.manual_seed(1337)
     cfg = {k: v for k, v in RECIPE.items() if k != "batch_size"}
     model = RoFormer(RoFormerConfig(**cfg))
-    opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cpu")
+    opt = build_optimizer(model, 6e-4, 0.1, (0.9, 0.95), "cpu")
     x = torch.randint(0, RECIPE["vocab_size"], (RECIPE["batch_size"], RECIPE["block_size"]))
     y = torch.randint(0, RECIPE["vocab_size"], x.shape)
     first = len(stamps)
@@ -159,7 +160,7 @@ def setup(pos, dtype, compiled):
     cfg = RoFormerConfig(vocab_size=4096, pos_encoding=pos, **fields)
     raw = RoFormer(cfg).to(dev)
     model = torch.compile(raw) if compiled else raw
-    opt = raw.configure_optimizers(0.1, 1e-3, device_type=dev.split(":")[0])
+    opt = build_optimizer(raw, 1e-3, 0.1, device_type=dev.split(":")[0])
     ctx = torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dtype == "bf16")
     return raw, model, opt, ctx
 

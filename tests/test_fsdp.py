@@ -19,6 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
+from optim import build_optimizer  # noqa: E402
 from test_train import TINY, env, load, log, make_data, max_diff, torchrun, train  # noqa: E402
 
 # clipping at 0.3 is active on every step here (the norm is ~0.8), so a norm that were not
@@ -203,7 +204,7 @@ def worker(out):
         raw, model, _ = parallel.build_model(cfg, 1337, "cpu", fsdp=True)
         full = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
-        opt = raw.configure_optimizers(0.1, 1e-3)
+        opt = build_optimizer(raw, 1e-3, 0.1)
         x = torch.from_numpy(np.random.default_rng(0).integers(0, 64, (2, 32)))
         model(x, x)[1].backward()
         opt.step()
