@@ -60,7 +60,10 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     groups = [{"params": [p for p in params if p.dim() >= 2 and id(p) not in hidden],
                "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+    # fused: one kernel over all parameters on CUDA and on CPU (the default there is a Python
+    # loop over the parameters, which a small model's step feels; docs/OPTIM.md)
+    fused = True if device_type in ("cuda", "cpu") else None
+    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
     for g in adamw.param_groups:
         g["lr_scale"] = 1.0
     if name == "adamw":
