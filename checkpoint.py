@@ -20,11 +20,13 @@ line: load_run exits with it; train.py's functions raise CheckpointError with it
 """
 import contextlib
 import os
+import random
 import shutil
 import sys
 import warnings
 import zipfile
 
+import numpy as np
 import torch
 
 from configurator import cpu_has_bf16, cuda_autocast_dtype, file_sha256
@@ -101,10 +103,22 @@ def misfit(path, err):
 def load_state(ckpt, path, raw_model, optimizer):
     """Load model weights and optimizer state of `ckpt` (read from `path`) into raw_model and
     optimizer, whatever wrote it and however they are sharded now: DCP reshards an FSDP run's
-    folder to any number of ranks, FSDP or not."""
-    import parallel  # here: sample.py and friends need none of torch.distributed
+    folder to any number of ranks, FSDP or not. The optimizer keeps this command's
+    hyperparameters."""
     if "sharded" not in ckpt and "optimizer" not in ckpt:
         raise CheckpointError(f"{path} holds no optimizer state: it cannot be resumed")
+    # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
+    # eps, fused, ...); this command's settings are the ones that must run, so put them back.
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    load_weights_and_optimizer(ckpt, path, raw_model, optimizer)
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
+
+
+def load_weights_and_optimizer(ckpt, path, raw_model, optimizer):
+    """ckpt.pt's full state, cut into shards if the model is sharded; or the DCP folder it
+    names, resharded to this run's ranks."""
+    import parallel  # here: sample.py and friends need none of torch.distributed
     folder = os.path.join(os.path.dirname(path), ckpt.get("sharded") or "")
     if "sharded" in ckpt and not os.path.isdir(folder):
         raise CheckpointError(f"{path} names {folder}, which does not exist")
@@ -220,6 +234,20 @@ def describe(out_dir, ckpt, model):
             f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M params, "
             f"{c.attention} attention, {c.pos_encoding} positions, rope_scaling {c.rope_scaling} "
             f"x{c.rope_factor:g}; {p.device} {str(p.dtype).removeprefix('torch.')}")
+
+
+def rng_state():
+    """The process's global RNG states (torch, numpy, python) in a form weights_only loads."""
+    npst = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+            "python": list(random.getstate())}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["torch"])
+    np.random.set_state(tuple(saved["numpy"]))
+    random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
 
 
 # ----------------------------------------------------------------------------------------

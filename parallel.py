@@ -9,6 +9,7 @@ are all-gathered just before it runs and freed after, its gradients reduce-scatt
 """
 import contextlib
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from model import RoFormer, init_parameter
+
+
+def init_process_group(device_type, rank, world):
+    """Join torchrun's process group (nccl on GPUs, gloo on CPUs). The rendezvous is done by
+    hand to prefix the store's keys with the restart count: after a `torchrun --max-restarts`
+    restart, the agent's store still holds the dead workers' addresses, and gloo would
+    sometimes connect to them (refused, or hung) instead of the new ones."""
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store,
+                            rank=rank, world_size=world)
 
 
 def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, compile=False,

@@ -22,6 +22,7 @@ import uuid
 import torch
 
 from checkpoint import CheckpointError, read
+from configurator import file_sha256
 from data.dataset import DatasetError, load_meta, open_split
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -82,6 +83,25 @@ def open_dataset(dataset, data_dir, master, ddp):
     except DatasetError as e:
         fail(str(e))
     return ddir, meta
+
+
+def tokenizer_identity(dataset, data_dir, ddir, meta):
+    """What the checkpoint records about the tokenizer: sample.py finds the file by it and
+    checks it by its sha256 (None for a dataset without tokenizer.model)."""
+    path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))
+    return {"dataset": dataset, "data_dir": data_dir, "path": path,
+            "sha256": file_sha256(path) if os.path.exists(path) else None,
+            "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
+            "bos_id": meta.get("bos_id")}
+
+
+def check_split_sizes(ddir, meta, block_size):
+    """Both splits hold at least one window of block_size + 1 tokens."""
+    for split in ("train", "val"):
+        tokens = len(open_split(ddir, split, meta))
+        if tokens < block_size + 1:
+            fail(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
+                 f"{block_size + 1}; lower block_size or use more data")
 
 
 # ----------------------------------------------------------------------------------------
@@ -146,6 +166,22 @@ def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
         if master:
             move_aside(out_dir)
     return ckpt, init_from
+
+
+def check_resume(ckpt, config, tokenizer, loop_keys, master):
+    """Resume only with the checkpoint's tokenizer; note (rank 0) the keys this command
+    changes. Model keys always come from the checkpoint; `loop_keys` only say how long and how
+    often, so changing them is expected."""
+    model_args = ckpt["model_args"]
+    differ = [k for k in config if k not in loop_keys and k in ckpt["config"]
+              and ckpt["config"][k] != config[k]
+              and not (k in model_args and model_args[k] == config[k])]
+    if master and differ:
+        print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
+              f"(model keys are taken from the checkpoint; the rest from this command)")
+    if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
+        fail(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
+             f"{tokenizer['path']}; resume with the same dataset")
 
 
 def move_aside(out_dir):

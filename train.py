@@ -26,7 +26,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 import checkpoint
 import parallel
 import runs
-from configurator import ConfigError, configure, file_sha256, gpu_peak_flops
+from configurator import ConfigError, configure, gpu_peak_flops
 from data.dataset import open_split
 from model import RoFormerConfig
 from optim import build_optimizer
@@ -110,23 +109,21 @@ if warmup_iters > lr_decay_iters:
     fail(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters ({lr_decay_iters})")
 if optimizer not in ("adamw", "muon"):
     fail(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
-if fsdp and int(os.environ.get("RANK", -1)) == -1:
-    fail("fsdp=True shards the model over processes: run under torchrun (--nproc_per_node=1 "
-         "works too)")
 if fsdp and optimizer == "muon":
     fail("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) optimizer "
          "state is supported for AdamW only; use DDP (fsdp=False) or optimizer=adamw")
+if fsdp and int(os.environ.get("RANK", -1)) == -1:
+    fail("fsdp=True shards the model over processes: run under torchrun (--nproc_per_node=1 "
+         "works too)")
 
 # ----------------------------------------------------------------------------------------
 # processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype
 ddp = int(os.environ.get("RANK", -1)) != -1
-rank, local_rank, world = 0, 0, 1
-if ddp:
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    if gradient_accumulation_steps % world:
-        fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
-             f"the number of processes ({world})")
+rank, local_rank, world = ((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+                           if ddp else (0, 0, 1))
+if gradient_accumulation_steps % world:
+    fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
+         f"the number of processes ({world})")
 master = rank == 0
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
@@ -144,15 +141,7 @@ if device_type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
     torch.backends.cudnn.allow_tf32 = True
 if ddp:
-    # Rendezvous by hand to prefix the store's keys with the restart count: after a
-    # `torchrun --max-restarts` restart, the agent's store still holds the dead workers'
-    # addresses, and gloo would sometimes connect to them (refused, or hung) instead of the
-    # new ones.
-    store, _, _ = next(torch.distributed.rendezvous("env://"))
-    store = torch.distributed.PrefixStore(
-        f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-    torch.distributed.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
-                                         store=store, rank=rank, world_size=world)
+    parallel.init_process_group(device_type, rank, world)
 ptdtype = getattr(torch, dtype)
 # With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
 autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
@@ -164,11 +153,7 @@ config.update(device=device, dtype=dtype)  # what actually ran, recorded in the 
 ddir, meta = runs.open_dataset(dataset, data_dir, master, ddp)
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
-tok_path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))
-tokenizer = {"dataset": dataset, "data_dir": data_dir, "path": tok_path,
-             "sha256": file_sha256(tok_path) if os.path.exists(tok_path) else None,
-             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
-             "bos_id": meta.get("bos_id")}
+tokenizer = runs.tokenizer_identity(dataset, data_dir, ddir, meta)
 runs.make_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
@@ -177,15 +162,7 @@ ckpt, init_from = runs.resume_or_start(out_dir, init_from, run_id, restarts, mas
 resumed = ckpt is not None
 if resumed:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
-    differ = [k for k in config if k not in LOOP_KEYS and k in ckpt["config"]
-              and ckpt["config"][k] != config[k]
-              and not (k in MODEL_KEYS and model_args.get(k) == config[k])]
-    if master and differ:
-        print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
-              f"(model keys are taken from the checkpoint; the rest from this command)")
-    if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
-        fail(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
-             f"{tok_path}; resume with the same dataset")
+    runs.check_resume(ckpt, config, tokenizer, LOOP_KEYS, master)
 else:
     model_args = {k: config[k] for k in MODEL_KEYS}
 if model_args["vocab_size"] < meta["vocab_size"]:
@@ -198,10 +175,7 @@ except ValueError as e:
 model_args = dataclasses.asdict(mconf)
 config.update(model_args)  # the checkpoint records the model that ran, not the command line
 block_size = mconf.block_size
-for split in ("train", "val"):  # with the block_size that runs: the checkpoint's on resume
-    if len(open_split(ddir, split, meta)) < block_size + 1:
-        fail(f"{ddir}/{split}.bin has {len(open_split(ddir, split, meta))} tokens, fewer than "
-             f"block_size+1 = {block_size + 1}; lower block_size or use more data")
+runs.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
 
 
 def get_batch(split, rng, bs, T):
@@ -226,8 +200,7 @@ def get_batch(split, rng, bs, T):
 
 
 # ----------------------------------------------------------------------------------------
-# model and optimizer
-# built on the meta device, wrapped (DDP, or FSDP and sharded), then initialised from the seed
+# model and optimizer: built on the meta device, wrapped (DDP, or FSDP and sharded), then initialised from the seed
 raw_model, model, eval_model = parallel.build_model(
     mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
     param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
@@ -244,26 +217,17 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16") \
 iter_num, best_val_loss, tokens_seen, wandb_id = 0, float("inf"), 0, None
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 if resumed:
-    # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
-    # eps, fused, ...); this command's settings are the ones that must run, so put them back.
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     try:  # weights and optimizer state, from ckpt.pt or the DCP folder it names
         checkpoint.load_state(ckpt, ckpt_path, raw_model, opt)
     except checkpoint.CheckpointError as e:
         fail(str(e))
-    for group, kept in zip(opt.param_groups, settings):
-        group.update(kept)
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
     # a resumed run may use another batch size: count the tokens, not iterations x batch
     tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
     wandb_id = ckpt.get("wandb_id")  # kept even by a run without wandb, for a later one
-    saved_rng = ckpt["rng"]  # batches and dropout are reseeded every micro-step; restored anyway
-    torch.set_rng_state(saved_rng["torch"])
-    np.random.set_state(tuple(saved_rng["numpy"]))
-    random.setstate((saved_rng["python"][0], tuple(saved_rng["python"][1]),
-                     saved_rng["python"][2]))
+    checkpoint.set_rng_state(ckpt["rng"])  # batches and dropout reseed every micro-step anyway
     del ckpt
 start_iter = iter_num
 
@@ -301,15 +265,11 @@ def estimate_loss():
 def save_checkpoint():
     """Atomic (checkpoint.py): a crash, a full disk or a power loss never leaves half a
     checkpoint. All ranks call it."""
-    npst = np.random.get_state()
     meta_state = {
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "run_id": run_id, "wandb_id": wandb_id, "model_args": model_args, "config": config,
-        "tokenizer": tokenizer,
-        "rng": {"torch": torch.get_rng_state(),
-                "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
-                "python": list(random.getstate())}}
+        "tokenizer": tokenizer, "rng": checkpoint.rng_state()}
     try:
         checkpoint.save(ckpt_path, meta_state, raw_model, opt)
     except checkpoint.CheckpointError as e:
@@ -482,11 +442,9 @@ if wandb_log and master:
 if ddp:
     torch.distributed.barrier()  # nobody leaves before rank 0 has saved
     torch.distributed.destroy_process_group()
-    # Everything is written (checkpoint renamed, log and wandb closed), so leave without the
-    # interpreter's finalization: the DDP/FSDP wrapper still holds the process group, and
-    # tearing down gloo's worker threads during finalization sometimes aborts (SIGABRT,
-    # "terminate called without an active exception"), so torchrun would report a finished
-    # run as failed.
+    # Everything is written, so leave without the interpreter's finalization: tearing down
+    # gloo's threads there (the wrapper still holds the group) sometimes aborts (SIGABRT),
+    # and torchrun would report a finished run as failed.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
