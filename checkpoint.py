@@ -278,11 +278,13 @@ def commit(path, ckpt):
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(out_dir)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch's writer may hide the OSError behind its own
+        cause = e.__context__ if isinstance(e.__context__, OSError) else e
+        why = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise CheckpointError(f"cannot write {path}: {e.strerror or e}; the previous checkpoint, "
-                              f"if any, is kept") from None
+        raise CheckpointError(f"cannot write {path}: {why}; the previous checkpoint, if any, "
+                              f"is kept") from None
     stale = [old] if old and old != ckpt.get("sharded") else []
     stale += [f for f in os.listdir(out_dir) if f.endswith(".dcp.tmp")]  # crashed saves
     for f in stale:

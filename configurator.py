@@ -168,7 +168,7 @@ GPU_PEAK_FLOPS = {  # (bfloat16, float16, float32)
 PEAK_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def gpu_peak_flops(name, dtype="bfloat16"):
+def gpu_peak_flops(name, dtype="float16"):
     """Peak FLOP/s of one card from its torch.cuda.get_device_name() for a run in `dtype`, or
     None if unknown. "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL parts say so in
     their names."""
