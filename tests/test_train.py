@@ -86,20 +86,20 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     out = str(tmp_path / "out")
     r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, f"--attention={attention}",
               "--max_iters=30", "--eval_interval=10", "--log_interval=5")
-    rows = log(out)
+    evals = log(out)
     # Not on a terminal (a pipe here, like CI, SLURM or `> log`): one plain line per
     # log_interval instead of a bar's carriage-return updates, which wrote megabytes.
     assert "\r" not in r.stderr and "\r" not in r.stdout
     progress = [ln for ln in r.stdout.splitlines() if ln.startswith("iter ") and "/30:" in ln]
     assert [ln.split("/")[0] for ln in progress] == [f"iter {i}" for i in range(5, 31, 5)]
     assert all("loss" in ln and "eta" in ln for ln in progress)
-    assert [r["iter"] for r in rows] == [0, 10, 20, 30]
-    assert set(rows[0]) == {"iter", "train_loss", "val_loss", "lr", "tokens", "time_s"}
-    assert rows[-1]["tokens"] == 30 * 4 * 32
-    assert abs(rows[0]["val_loss"] - np.log(V)) < 0.3     # starts near uniform
-    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.7  # and clearly learns
+    assert [r["iter"] for r in evals] == [0, 10, 20, 30]
+    assert set(evals[0]) == {"iter", "train_loss", "val_loss", "lr", "tokens", "time_s"}
+    assert evals[-1]["tokens"] == 30 * 4 * 32
+    assert abs(evals[0]["val_loss"] - np.log(V)) < 0.3     # starts near uniform
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.7  # and clearly learns
     ck = load(out)
-    assert ck["iter_num"] == 30 and ck["best_val_loss"] == min(r["val_loss"] for r in rows)
+    assert ck["iter_num"] == 30 and ck["best_val_loss"] == min(r["val_loss"] for r in evals)
     assert ck["model_args"]["attention"] == attention and ck["model_args"]["vocab_size"] == V
     assert ck["config"]["max_iters"] == 30
     assert ck["tokenizer"]["sha256"] is None and ck["tokenizer"]["vocab_size"] == V
@@ -351,8 +351,8 @@ def test_compile_trains_on_cpu(data, tmp_path):
     out = str(tmp_path / "out")
     train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--compile=True", "--max_iters=20",
           "--eval_interval=20", "--dtype=float32")
-    rows = log(out)
-    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3
+    evals = log(out)
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
     assert not any(k.startswith("_orig_mod") for k in load(out)["model"])
 
 
