@@ -179,6 +179,10 @@ def check_resume(ckpt, config, tokenizer, loop_keys, master):
     if master and differ:
         print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
               f"(model keys are taken from the checkpoint; the rest from this command)")
+    saved_optimizer = ckpt["config"].get("optimizer", "adamw")  # older runs: AdamW
+    if saved_optimizer != config["optimizer"]:
+        fail(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume with "
+             f"--optimizer={saved_optimizer}")
     if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
         fail(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
              f"{tokenizer['path']}; resume with the same dataset")

@@ -647,3 +647,13 @@ def test_train_defaults_are_roformer_config_defaults():
     defaults = dataclasses.asdict(RoFormerConfig())
     assert (defaults["block_size"], defaults["n_layer"], defaults["n_head"],
             defaults["n_embd"]) == (256, 6, 6, 384)
+
+
+def test_resuming_with_another_optimizer_is_one_line(data, tmp_path):
+    """AdamW's state cannot continue as Muon's (or back): say which optimizer the checkpoint
+    holds instead of failing inside load_state_dict."""
+    common = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY]
+    train(*common, "--max_iters=2")
+    line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume",
+                                "--optimizer=muon", check=False))
+    assert "--optimizer=adamw" in line
