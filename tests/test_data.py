@@ -19,7 +19,7 @@ import sentencepiece as spm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from data import common  # noqa: E402
+from data import common, documents, shared, sources, workers  # noqa: E402
 
 OUTPUTS = ["train.bin", "val.bin", "tokenizer.model", "meta.json"]
 
@@ -166,7 +166,7 @@ def test_round_trip_and_byte_fallback(tmp_path, model_type):
     for s in ROUND_TRIP:
         ids = sp.encode(s)
         assert sp.decode(ids) == s, (model_type, s)
-        assert common.UNK_ID not in ids, "byte fallback: nothing maps to unknown"
+        assert shared.UNK_ID not in ids, "byte fallback: nothing maps to unknown"
     # Characters the training text never had come out as their UTF-8 bytes, one piece each.
     unseen = "漢字😀ß"
     ids = sp.encode(unseen)
@@ -182,8 +182,8 @@ def test_the_one_exception_u2581_decodes_as_space_and_is_reported(prepared, tmp_
     sp = spm.SentencePieceProcessor(model_file=str(root / "out" / "tokenizer.model"))
     assert sp.decode(sp.encode("a\u2581b")) == "a b"
     logged = []
-    sources = mem_sources(texts.values()) + mem_sources(["x\u2581y " * 50], "odd")
-    common.prepare(str(tmp_path / "o"), "t", sources, "test", vocab_size=400, min_val_tokens=50,
+    inputs = mem_sources(texts.values()) + mem_sources(["x\u2581y " * 50], "odd")
+    common.prepare(str(tmp_path / "o"), "t", inputs, "test", vocab_size=400, min_val_tokens=50,
                    val_fraction=0.2, log=logged.append)
     assert any("U+2581" in line and "odd" in line for line in logged)
 
@@ -196,7 +196,7 @@ def test_code_whitespace_is_not_normalised(prepared):
     # Runs of spaces may be learned as single pieces (indentation is common in code).
     assert any(set(sp.id_to_piece(i)) == {"\u2581"} and len(sp.id_to_piece(i)) > 1
                for i in range(sp.get_piece_size()))
-    assert sp.piece_to_id("\n") != common.UNK_ID
+    assert sp.piece_to_id("\n") != shared.UNK_ID
 
 
 # ----------------------------------------------------------------------------- the .bin files
@@ -219,10 +219,10 @@ def test_bins_hold_exactly_the_encoded_documents(prepared):
 
 
 def test_dtype_follows_vocab_size():
-    assert common.dtype_for_vocab(256) == "uint16"
-    assert common.dtype_for_vocab(65536) == "uint16"  # ids 0..65535 fit
-    assert common.dtype_for_vocab(65537) == "uint32"
-    assert np.iinfo(common.dtype_for_vocab(65536)).max == 65535
+    assert shared.dtype_for_vocab(256) == "uint16"
+    assert shared.dtype_for_vocab(65536) == "uint16"  # ids 0..65535 fit
+    assert shared.dtype_for_vocab(65537) == "uint32"
+    assert np.iinfo(shared.dtype_for_vocab(65536)).max == 65535
 
 
 def test_rerun_is_identical(prepared, tmp_path):
@@ -279,7 +279,7 @@ def test_single_file_is_split_into_paragraphs(tmp_path):
             cur = []
     if cur:
         ref.append("\n".join(cur))
-    assert common.split_paragraphs(text) == ref == paras
+    assert documents.split_paragraphs(text) == ref == paras
 
     out = tmp_path / "out"
     load_script("text").main(["--input", str(tmp_path / "one.txt"), "--out_dir", str(out),
@@ -431,12 +431,12 @@ def test_stdlib_subset_prepares(tmp_path):
     """The default pipeline end to end on a slice of the stdlib (the full corpus is for
     bench/prepare.py): code round-trips exactly through the .bin files."""
     mod = load_script("pystdlib")
-    sources, _ = mod.stdlib_sources()
-    sources = [s for s in sources if s[0].startswith(("stdlib/json/", "stdlib/a"))]
-    meta = common.prepare(str(tmp_path / "o"), "pystdlib", sources, "subset", vocab_size=1024,
+    inputs, _ = mod.stdlib_sources()
+    inputs = [s for s in inputs if s[0].startswith(("stdlib/json/", "stdlib/a"))]
+    meta = common.prepare(str(tmp_path / "o"), "pystdlib", inputs, "subset", vocab_size=1024,
                           min_val_tokens=500, undecodable="skip", log=lambda *a: None)
     texts = []
-    for _, _, path in sources:
+    for _, _, path in inputs:
         with open(path, encoding="utf-8") as f:
             texts.append(f.read())
     check_split(tmp_path / "o", texts, meta)
@@ -483,9 +483,9 @@ def test_mixed_formats_and_long_documents_in_pieces(tmp_path, monkeypatch):
     """Text files, jsonl, gzip and parquet in one corpus, in the order given; tiny batch and
     piece sizes, so documents are encoded in many pieces cut at line ends (and one long
     line cut before a space) across many batches: still each document encoded whole."""
-    monkeypatch.setattr(common, "TASK_CHARS", 3000)
-    monkeypatch.setattr(common, "PIECE_CHARS", 700)
-    monkeypatch.setattr(common, "UNIT_CHARS", 500)
+    monkeypatch.setattr(documents, "TASK_CHARS", 3000)
+    monkeypatch.setattr(documents, "PIECE_CHARS", 700)
+    monkeypatch.setattr(workers, "UNIT_CHARS", 500)
     texts = list(make_corpus(tmp_path / "txt", n_files=4, seed=5).values())
     long_line = " ".join(WORDS * 5)  # no newline at all, longer than a piece
     (tmp_path / "txt" / "doc99.txt").write_text(long_line, encoding="utf-8")
@@ -513,7 +513,7 @@ def test_num_proc_1_and_2_give_the_same_bytes(tmp_path):
     paras = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
              for _ in range(20000)]
     (tmp_path / "big.txt").write_text("\n\n".join(paras), encoding="utf-8")
-    assert (tmp_path / "big.txt").stat().st_size > 2.5 * common.TASK_CHARS
+    assert (tmp_path / "big.txt").stat().st_size > 2.5 * documents.TASK_CHARS
     for n in (1, 2):
         r = run_script("text", "--input", str(tmp_path / "big.txt"), "--out_dir",
                        str(tmp_path / str(n) / "o"), "--vocab_size", "400", "--num_proc", str(n),
@@ -530,7 +530,7 @@ def test_tokenizer_does_not_depend_on_the_machine(tmp_path, monkeypatch, model_t
     texts = list(make_corpus(tmp_path / "c", n_files=10, seed=8).values())
     models = []
     for cores, n in ((1, None), (8, None), (3, 2)):
-        monkeypatch.setattr(common, "default_num_proc", lambda: cores)
+        monkeypatch.setattr(workers, "default_num_proc", lambda: cores)
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         out = tmp_path / f"o{cores}"
         common.prepare(str(out), "t", mem_sources(texts), "test", model_type=model_type,
@@ -663,21 +663,21 @@ def test_streaming_paragraphs_match_the_reference_splitter(monkeypatch):
             k = rng.randint(1, 9)
             blocks.append(text[i:i + k])
             i += k
-        monkeypatch.setattr(common, "PIECE_CHARS", rng.choice([3, 12, 10_000]))
+        monkeypatch.setattr(documents, "PIECE_CHARS", rng.choice([3, 12, 10_000]))
         got, cur = [], []
-        for piece, first, last in common._paragraphs(blocks):
+        for piece, first, last in documents.paragraphs(blocks):
             assert first == (not cur)
             cur.append(piece)
             if last:
                 got.append("".join(cur))
                 cur = []
-        assert got == common.split_paragraphs(text), repr(text)
+        assert got == documents.split_paragraphs(text), repr(text)
 
 
 PEAK_RSS_SCRIPT = r"""
 import os, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-from data import common
+from data import common, sources
 peak = [0]
 def watch():  # the whole process tree's resident memory, sampled
     while True:
@@ -695,7 +695,7 @@ def watch():  # the whole process tree's resident memory, sampled
         time.sleep(0.05)
 threading.Thread(target=watch, daemon=True).start()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-common.prepare(sys.argv[3], "big", common.file_sources([("big.txt", sys.argv[2])]), "test",
+common.prepare(sys.argv[3], "big", sources.file_sources([("big.txt", sys.argv[2])]), "test",
                model_type="char", vocab_size=0, num_proc=int(sys.argv[4]),
                sample_bytes=500_000, log=lambda *a: None)
 print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak[0])
