@@ -122,7 +122,7 @@ def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
                                      (settings,)):
             if r["error"]:
                 raise PrepareError(r["error"])
-            r["tokens"].tofile(f)
+            f.write(r["tokens"].data)  # not ndarray.tofile: it ignores a failed write
             total += len(r["tokens"])
             docs += r["docs"]
             nbytes += r["bytes"]

@@ -130,6 +130,8 @@ def split_tokens(path, val_path, dtype, total, budget, seed, newline_id, bar=Non
             start, doc, done = 0, 0, 0  # start of the current document, its index, tokens read
             while done < total:
                 chunk = split.read(done, min(total, done + SPLIT_CHUNK))
+                if not len(chunk):
+                    raise OSError(f"{path} ends after {done} of its {total} tokens")
                 ends = done + np.flatnonzero(chunk == EOS_ID) + 1
                 done += len(chunk)
                 if bar is not None:

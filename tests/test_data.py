@@ -727,3 +727,193 @@ def test_peak_memory_of_a_200mb_single_file_is_bounded(tmp_path):
     assert meta["source_bytes"] > 190_000_000
     assert peak_self - base < 150e6, (base, peak_self)
     assert peak_tree < 400e6, peak_tree
+
+
+# ----------------------------------------------------------------------------- real corpora
+
+def test_text_field_takes_several_names_first_present_wins(tmp_path):
+    """Shards that disagree on the field (jsonl with `text`, jsonl.gz with `content`,
+    parquet with `text`): --text_field=text,content reads every record; a record with both
+    fields gives its `text`."""
+    recs = list(make_corpus(tmp_path / "r", n_files=9, seed=13).values())
+    a = write_records(tmp_path / "a", recs[:3], "jsonl", field="text")
+    b = write_records(tmp_path / "b", recs[3:6], "jsonl.gz", field="content")
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"content": "not this one", "text": recs[6]}) + "\n",
+                    encoding="utf-8")
+    inputs, expected = [a, b, both], recs[:7]
+    if importlib.util.find_spec("pyarrow"):
+        inputs.append(write_records(tmp_path / "p", recs[7:], "parquet", field="text"))
+        expected = recs
+    out = tmp_path / "out"
+    meta = prepare_folder(inputs, out, "--text_field", "text,content")
+    assert meta["documents"] == len(expected) and meta["text_field"] == "text,content"
+    check_split(out, expected, meta)
+
+
+def test_error_record_without_the_field_names_text_field_first(tmp_path):
+    recs = list(make_corpus(tmp_path / "r", n_files=4).values())
+    lines = [json.dumps({"text": t}) for t in recs] + [json.dumps({"content": "x", "id": 7})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    r = run_script("text", "--input", str(tmp_path / "in.jsonl"), "--out_dir",
+                   str(tmp_path / "o"), "--vocab_size", "350", "--min_val_tokens", "20")
+    assert_fails(r, "line 5", "has no field 'text'", "content, id", "--text_field",
+                 "--undecodable=skip")
+    msg = r.stderr
+    assert msg.index("--text_field") < msg.index("--undecodable=skip")
+    assert not (tmp_path / "o").exists()
+
+
+def test_error_a_file_without_the_field_even_under_skip(tmp_path):
+    """--undecodable=skip leaves out a bad record, not a whole shard that names its field
+    differently: that is a --text_field mistake, and silently dropping the shard is worse."""
+    recs = list(make_corpus(tmp_path / "r", n_files=6).values())
+    good = write_records(tmp_path / "a", recs[:3], "jsonl", field="text")
+    other = write_records(tmp_path / "b", recs[3:], "jsonl.gz", field="content")
+    base = ["--out_dir", str(tmp_path / "o"), "--vocab_size", "350", "--min_val_tokens", "20",
+            "--undecodable", "skip"]
+    r = run_script("text", "--input", str(good), str(other), *base)
+    assert_fails(r, str(other), "none of its records", "'text'", "--text_field")
+    assert not (tmp_path / "o").exists()
+    r = run_script("text", "--input", str(good), str(other), *base, "--text_field", "text,content")
+    assert r.returncode == 0, r.stderr
+
+
+def test_out_dir_name_is_where_train_py_looks(tmp_path, monkeypatch):
+    """--out_dir NAME writes data/NAME next to train.py (where --dataset=NAME reads) from any
+    current folder; a path with a slash or an absolute one is taken as given. (DATA_DIR is
+    moved under tmp_path here so the test writes nothing into the repo.)"""
+    assert common.DATA_DIR == os.path.join(REPO, "data")
+    assert os.path.isfile(os.path.join(os.path.dirname(common.DATA_DIR), "train.py"))
+    make_corpus(tmp_path / "c", n_files=4)
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path / "repo_data"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    args = ["--input", str(tmp_path / "c"), "--vocab_size", "350", "--min_val_tokens", "20"]
+    text_prepare = load_script("text")
+    text_prepare.main(args + ["--out_dir", "mycorpus"])
+    assert (tmp_path / "repo_data" / "mycorpus" / "meta.json").exists()
+    assert not (elsewhere / "mycorpus").exists()
+    text_prepare.main(args + ["--out_dir", "./here"])
+    assert (elsewhere / "here" / "meta.json").exists()
+    text_prepare.main(args + ["--out_dir", str(tmp_path / "abs")])
+    assert (tmp_path / "abs" / "meta.json").exists()
+    for name in ("text", "pystdlib", "shakespeare"):
+        r = run_script(name, "--help")
+        assert "--data_dir" in r.stdout and "data/NAME" in r.stdout, (name, r.stdout)
+
+
+def test_log_says_how_many_workers_ran(tmp_path):
+    """One batch of work with --num_proc 3: one worker encoded it, and the log says so."""
+    texts = list(make_corpus(tmp_path / "c", n_files=4).values())
+    for num_proc in (3, 1):
+        logged = []
+        common.prepare(str(tmp_path / f"o{num_proc}"), "t", mem_sources(texts), "test",
+                       vocab_size=350, min_val_tokens=20, num_proc=num_proc, log=logged.append)
+        assert "with 1 worker process " in logged[-1], logged[-1]
+
+
+def test_full_disk_during_prepare_leaves_nothing_partial(prepared, tmp_path):
+    """A write that fails half way (the file size limit stands in for a full disk): one
+    `error:` line, no temp file left, the dataset already in the folder unchanged, and no
+    folder at all where there was none."""
+    root, texts, _ = prepared
+    out = tmp_path / "out"
+    prepare_folder(root / "mycorpus", out)
+    before = {fn: (out / fn).read_bytes() for fn in OUTPUTS}
+    make_corpus(tmp_path / "other", n_files=8, seed=21)
+    limit = 2000  # bytes: the encoding pass's token file passes it
+    assert os.path.getsize(out / "train.bin") > 2 * limit
+
+    resource = pytest.importorskip("resource")
+
+    def limited():  # in the child: files may not grow past `limit` bytes
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    # SIGXFSZ ignored, so the write fails with EFBIG (as a full disk fails with ENOSPC)
+    # instead of the signal killing the process.
+    for target in (out, tmp_path / "fresh"):
+        r = subprocess.run(
+            [sys.executable, "-c", "import signal, runpy, sys; "
+             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); sys.argv = sys.argv[1:]; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')",
+             os.path.join(REPO, "data", "text", "prepare.py"), "--input", str(tmp_path / "other"),
+             "--out_dir", str(target), "--vocab_size", "400", "--min_val_tokens", "50",
+             "--val_fraction", "0.2"],
+            capture_output=True, text=True, cwd=REPO, timeout=120, preexec_fn=limited)
+        assert_fails(r, "cannot write the dataset", str(target), "File too large")
+    assert sorted(os.listdir(out)) == sorted(OUTPUTS + ["tokenizer.vocab"])
+    assert {fn: (out / fn).read_bytes() for fn in OUTPUTS} == before
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_outputs_are_fsynced_before_their_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A rename is durable across a power loss only if the file's data reached the disk
+    before it, and the rename itself only once the folder is synced."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc to name an fd")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(src)))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    texts = list(make_corpus(tmp_path / "c", n_files=4).values())
+    out = tmp_path / "out"
+    common.prepare(str(out), "t", mem_sources(texts), "test", vocab_size=350,
+                   min_val_tokens=20, num_proc=1, log=lambda *a: None)
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
+    assert len(renames) == len(OUTPUTS) + 1  # each output (tokenizer.vocab included)
+    for i in renames:
+        tmp = events[i][1]
+        assert ("fsync", tmp) in events[:i], f"{tmp} renamed before it was fsynced"
+    assert ("fsync", os.path.realpath(out)) in events[renames[-1]:]
+
+
+# ----------------------------------------------------------------------------- reading a split
+
+def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
+    """data/dataset.py, the reader train/eval/export share: a .bin whose size disagrees with
+    meta.json (truncated, empty, read with another dtype) and a meta.json that is not JSON
+    are one line naming the file, never a silently shorter corpus."""
+    import shutil
+    from data.dataset import DatasetError, load_meta, open_split
+    root, _, meta = prepared
+    ddir = tmp_path / "d"
+    shutil.copytree(root / "out", ddir)
+    ok = open_split(str(ddir), "train")
+    assert len(ok) == meta["train_tokens"] and ok.dtype == np.dtype(meta["dtype"])
+    full = (ddir / "train.bin").read_bytes()
+
+    (ddir / "train.bin").write_bytes(full[:len(full) // 2])
+    with pytest.raises(DatasetError) as e:
+        open_split(str(ddir), "train")
+    msg = str(e.value)
+    assert "\n" not in msg and str(ddir / "train.bin") in msg
+    assert f"{len(full) // 2:,}" in msg and f"{len(full):,}" in msg  # both sizes
+
+    (ddir / "train.bin").write_bytes(b"")
+    meta_empty = dict(meta, train_tokens=0)
+    with pytest.raises(DatasetError, match="is empty"):
+        open_split(str(ddir), "train", meta_empty)
+
+    (ddir / "train.bin").write_bytes(full)
+    with pytest.raises(DatasetError, match="uint32") as e:
+        open_split(str(ddir), "train", dict(meta, dtype="uint32"))  # 2-byte tokens read as 4
+    assert f"{len(full):,}" in str(e.value) and f"{len(full) * 2:,}" in str(e.value)
+    odd = dict(meta, dtype="uint32")
+    del odd["train_tokens"]  # no count recorded: the size must still be whole tokens
+    (ddir / "train.bin").write_bytes(full[:-2] if len(full) % 4 == 0 else full)
+    with pytest.raises(DatasetError, match="whole number"):
+        open_split(str(ddir), "train", odd)
+
+    (ddir / "meta.json").write_text('{"vocab_size": 400, "dtype": ')
+    with pytest.raises(DatasetError, match="not valid JSON") as e:
+        load_meta(str(ddir))
+    assert str(ddir / "meta.json") in str(e.value) and "\n" not in str(e.value)
