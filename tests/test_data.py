@@ -19,7 +19,7 @@ import sentencepiece as spm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from data import common, documents, shared, sources, workers  # noqa: E402
+from data import common, documents, shared, workers  # noqa: E402
 
 OUTPUTS = ["train.bin", "val.bin", "tokenizer.model", "meta.json"]
 
