@@ -49,7 +49,7 @@ batch_size = 8          # windows per forward
 device = "auto"         # auto: cuda if available, else cpu
 dtype = "auto"          # auto: bfloat16 on a CUDA GPU that supports it (else float16), float32 on CPU
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
-rope_scaling = ""       # "" keeps the checkpoint's; "none" | "linear" | "ntk" (RoPE only), as sample.py
+rope_scaling = ""       # "" keeps the checkpoint's; none, linear or ntk (RoPE only), as sample.py
 rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is block_size * rope_factor
 json = False            # print one JSON line instead of the table
 # -----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 
     python data/text/prepare.py --input notes/ book.txt --out_dir mytext --vocab_size 8000
     python data/text/prepare.py --input shards/ --out_dir web --val_tokens 5000000
-    python data/text/prepare.py --input shards/ --out_dir /big/disk/web   # train.py --data_dir=/big/disk/web
+    python data/text/prepare.py --input shards/ --out_dir /big/web   # train.py --data_dir=/big/web
 
 --out_dir NAME writes data/NAME next to train.py (train.py --dataset=NAME reads it) from any
 folder; a path (absolute, or with a slash) is taken as given, and train.py reads a corpus kept
@@ -38,7 +38,8 @@ def main(argv=None):
     p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char"])
     p.add_argument("--undecodable", default="fail", choices=["fail", "skip"],
                    help="a text file that is not UTF-8, or a JSON/parquet record without a "
-                        "string --text_field, stops the run (fail) or is left out (skip)")
+                        "string --text_field, stops the run (fail) or is left out (skip); a "
+                        "file none of whose records has the field stops it either way")
     common.add_arguments(p, vocab_size=None)
     args = p.parse_args(argv)
 
