@@ -1,15 +1,18 @@
 """train.py end to end, in subprocesses, on tiny data made here. The references are other
 runs: an unbroken run for resume and restart, one process for DDP, the first checkpoint for
 a failing run, the files themselves (sha256) for the tokenizer identity."""
+import atexit
 import glob
 import hashlib
 import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -44,8 +47,13 @@ def data(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("data")))
 
 
+# The runs' caches (the CPU peak, runs.py) in a folder of this test session, not the user's
+CACHE = tempfile.mkdtemp(prefix="roformer-test-cache-")
+atexit.register(shutil.rmtree, CACHE, True)
+
+
 def env(**extra):
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", XDG_CACHE_HOME=CACHE)
     e.pop("RANK", None)
     e.update(extra)
     return e
