@@ -8,6 +8,8 @@ sampling. sample.py, eval.py, bench/ and the tests call these functions.
 """
 import torch
 
+from model import RecurrentState
+
 
 def check_sampling(temperature=1.0, top_k=None, top_p=None):
     """Raise ValueError (one line) for sampling settings that cannot work."""
@@ -67,7 +69,9 @@ def one_token_step(model, cache, compile, device):
         return lambda tok, pos: model(tok, cache=cache, start_pos=pos)[0][:, -1]
     cuda = torch.device(device).type == "cuda"
     if cuda:  # CUDA graphs replay fixed addresses: the caches are written in place
-        for t in cache.tensors():
+        held = [t for pair in cache.state for t in pair] if isinstance(cache, RecurrentState) \
+            else [cache.slot_pos] + cache.keys + cache.values
+        for t in held:
             torch._dynamo.mark_static_address(t)
     forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
                             mode="reduce-overhead" if cuda else None)

@@ -265,7 +265,7 @@ def test_linear_state_stays_float32_under_bf16_autocast():
     cache = m.new_cache(8, idx.device)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m(idx, cache=cache, start_pos=0)
-    S, z = cache.get(0)
+    S, z = cache.state[0]
     assert S.dtype == torch.float32 and z.dtype == torch.float32
 
 
