@@ -94,7 +94,7 @@ def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
     if scaling == "ntk":
         base = base * factor ** (head_dim / (head_dim - 2))
     # on the CPU (float64 exists there), also when the model is built under device("meta")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device="cpu").double() / head_dim)
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)
     angle = torch.outer(pos, inv_freq)
     cos, sin = angle.cos(), angle.sin()
@@ -112,7 +112,7 @@ def sinusoidal_embedding(pos, dim):
     """The fixed absolute encoding of 'Attention Is All You Need', scaled to an RMS of 0.02,
     the init scale of the token embeddings it is added to: unscaled (RMS 0.71) it would drown
     the tokens 35 to 1 at init, handicapping the baseline rather than testing it."""
-    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
     angle = pos.cpu().double()[:, None] * inv_freq  # on the CPU: some devices lack float64
     return (torch.cat((angle.sin(), angle.cos()), dim=-1) * 0.02 * math.sqrt(2)).float()
 
