@@ -14,6 +14,7 @@ import ast
 import difflib
 import hashlib
 import os
+import traceback
 
 SCALARS = (bool, int, float, str, type(None))
 
@@ -61,6 +62,25 @@ def _parse(key, text, default):
                           f"{type(default).__name__}") from None
 
 
+def run_config_file(path):
+    """Execute the config file `path`; return the names it assigned. A syntax error, or an
+    exception the file raises, is a ConfigError naming the file and the line."""
+    scope = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            code = compile(f.read(), path, "exec")
+        exec(code, scope)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}, line {e.lineno}: syntax error: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except Exception as e:  # raised while the file ran: the deepest line of that file
+        lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        where = f", line {lines[-1]}" if lines else ""
+        raise ConfigError(f"{path}{where}: {type(e).__name__}: {e}") from None
+    return scope
+
+
 def configure(defaults, argv):
     """Return a copy of `defaults` (name -> scalar) updated by the config files and
     --key=value arguments in `argv`. Raises ConfigError with a one-line message."""
@@ -70,9 +90,7 @@ def configure(defaults, argv):
         if not arg.startswith("--"):  # a config file
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file not found: {arg}")
-            scope = {}
-            with open(arg) as f:
-                exec(compile(f.read(), arg, "exec"), scope)
+            scope = run_config_file(arg)
             for key, value in scope.items():
                 if key.startswith("_") or (key not in defaults and not isinstance(value, SCALARS)):
                     continue  # __builtins__, imported modules, helper functions
@@ -132,25 +150,32 @@ def cuda_autocast_dtype():
     return "bfloat16" if native else "float16"
 
 
-# Dense (no sparsity) bf16/fp16 tensor-core peak of one card, from the vendors' datasheets. The
-# variants of one family differ a lot (H100 SXM vs PCIe, A10 vs A10G, L40 vs L40S), so names
-# are matched by whole words; an unknown card gets no MFU rather than a wrong one.
-GPU_PEAK_FLOPS = {
-    ("h200",): 989e12, ("h200", "nvl"): 835e12,
-    ("h100",): 989e12, ("h100", "pcie"): 756e12, ("h100", "nvl"): 835e12,
-    ("a100",): 312e12, ("a30",): 165e12, ("a10",): 125e12,
-    ("l4",): 121e12, ("l40",): 181e12, ("l40s",): 362e12,
-    ("v100",): 125e12, ("v100", "pcie"): 112e12, ("t4",): 65e12,
+# Dense (no sparsity) peaks of one card from the vendors' datasheets, FLOP/s by the dtype that
+# runs: bf16/fp16 tensor cores, and for float32 the TF32 tensor-core rate where the card has one
+# (train.py allows TF32 matmuls), else plain fp32. The variants of one family differ a lot (H100
+# SXM vs PCIe, A10 vs A10G, L40 vs L40S), so names are matched by whole words; an unknown card
+# or a dtype the card only emulates (bf16 on a V100 or T4) gets no MFU rather than a wrong one.
+GPU_PEAK_FLOPS = {  # (bfloat16, float16, float32)
+    ("h200",): (989e12, 989e12, 494.5e12), ("h200", "nvl"): (835e12, 835e12, 417.5e12),
+    ("h100",): (989e12, 989e12, 494.5e12), ("h100", "pcie"): (756e12, 756e12, 378e12),
+    ("h100", "nvl"): (835e12, 835e12, 417.5e12),
+    ("a100",): (312e12, 312e12, 156e12), ("a30",): (165e12, 165e12, 82e12),
+    ("a10",): (125e12, 125e12, 62.5e12), ("l4",): (121e12, 121e12, 60e12),
+    ("l40",): (181e12, 181e12, 90.5e12), ("l40s",): (362e12, 362e12, 183e12),
+    ("v100",): (None, 125e12, 15.7e12), ("v100", "pcie"): (None, 112e12, 14e12),
+    ("t4",): (None, 65e12, 8.1e12),
 }
+PEAK_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def gpu_peak_flops(name):
-    """Peak FLOP/s of one card from its torch.cuda.get_device_name(), or None if unknown.
-    "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL parts say so in their names."""
+def gpu_peak_flops(name, dtype="float16"):
+    """Peak FLOP/s of one card from its torch.cuda.get_device_name() for a run in `dtype`, or
+    None if unknown. "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL parts say so in
+    their names."""
     words = set(name.lower().replace("-", " ").split())
     best = None
     for key, flops in GPU_PEAK_FLOPS.items():
         if key[0] in words and all(w in words for w in key[1:]):
             if best is None or len(key) > len(best[0]):  # the most specific match wins
                 best = (key, flops)
-    return best[1] if best else None
+    return best[1][PEAK_DTYPES.index(dtype)] if best else None

@@ -1,27 +1,18 @@
 """
-How train.py spreads a model over processes and how it saves and loads it: DDP or FSDP2
-wrapping, and both checkpoint formats. Plain functions over torch's own APIs.
+How train.py spreads a model over processes: DDP or FSDP2 wrapping, the meta-device build, the
+gradient sync and clipping, and the state dicts a sharded model's checkpoint needs (checkpoint.py
+writes and reads the files). Plain functions over torch's own APIs.
 
 DDP (the default): every rank holds the whole model, its gradients and the AdamW state, and
 all-reduces the gradients. FSDP2 (fsdp=True): every rank holds 1/N of each; a block's weights
 are all-gathered just before it runs and freed after, its gradients reduce-scattered.
-
-Checkpoints. out_dir/ckpt.pt always exists and always holds the full model weights with the
-run's metadata, so sample.py, eval.py and export.py read any run's out_dir the same way. A DDP
-or one-process run also keeps the optimizer in it. An FSDP run keeps model and optimizer in a
-DCP folder beside it instead (every rank writes its own shards, nobody gathers the optimizer)
-and ckpt.pt names that folder. ckpt.pt is replaced last, atomically: it is the commit point,
-so a crash at any moment leaves the previous ckpt.pt and the folder it names intact.
 """
 import contextlib
 import functools
 import os
-import shutil
-import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
@@ -31,6 +22,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from model import RoFormer, init_parameter
+
+
+def init_process_group(device_type, rank, world):
+    """Join torchrun's process group (nccl on GPUs, gloo on CPUs). The rendezvous is done by
+    hand to prefix the store's keys with the restart count: after a `torchrun --max-restarts`
+    restart, the agent's store still holds the dead workers' addresses, and gloo would
+    sometimes connect to them (refused, or hung) instead of the new ones."""
+    store, _, _ = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store,
+                            rank=rank, world_size=world)
 
 
 def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, compile=False,
@@ -140,96 +142,47 @@ def clip_grad_norm(model, max_norm):
 
 
 # ----------------------------------------------------------------------------------------
-# checkpoints
+# state dicts for checkpoint.py (which does the files): as laid out now, sharded or not
 
 def is_sharded(model):
     return isinstance(model, FSDPModule)
 
 
-def save_checkpoint(path, meta, raw_model, optimizer):
-    """Write the checkpoint `path` (out_dir/ckpt.pt): `meta` (iteration, RNG, config, ...)
-    plus the full model weights, and the optimizer (in the file, or in a DCP folder for an
-    FSDP model). Every rank must call this: with FSDP it is a collective."""
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    ck = dict(meta)
-    if is_sharded(raw_model):
-        out_dir = os.path.dirname(path)
-        # A fresh folder name, even when re-saving the same iteration: the folder that the
-        # current ckpt.pt names must survive until the new ckpt.pt replaces it.
-        name = [None]
-        if rank0:
-            k = 0
-            while any(os.path.exists(os.path.join(out_dir, f"ckpt-{meta['iter_num']}.{k}.dcp{s}"))
-                      for s in ("", ".tmp")):
-                k += 1
-            name = [f"ckpt-{meta['iter_num']}.{k}.dcp"]
-        dist.broadcast_object_list(name, src=0)
-        name = name[0]
-        msd, osd = get_state_dict(raw_model, optimizer)
-        dcp.save({"model": msd, "optimizer": osd},
-                 checkpoint_id=os.path.join(out_dir, name + ".tmp"))
-        # The consolidated weights, gathered to rank 0's CPU one parameter at a time.
-        ck["model"] = get_model_state_dict(
-            raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        ck["sharded"] = name
-        if rank0:
-            # dcp.save returns on rank 0 after every rank has written its files
-            os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
-            commit(path, ck)
-        dist.barrier()  # everyone returns with the checkpoint committed
-    elif rank0:
-        ck["model"] = raw_model.state_dict()  # the uncompiled module: no _orig_mod. prefixes
-        ck["optimizer"] = optimizer.state_dict()
-        commit(path, ck)
+def sharded_state(raw_model, optimizer):
+    """Model and optimizer state as this rank holds it (DTensor shards with FSDP), the form
+    DCP saves and loads in place. It also creates the optimizer's state, which DCP needs to
+    exist before it can load into it."""
+    msd, osd = get_state_dict(raw_model, optimizer)
+    return {"model": msd, "optimizer": osd}
 
 
-def commit(path, ck):
-    """Write ckpt.pt atomically (temp file, then rename over), then delete the DCP folder that
-    the replaced ckpt.pt named, if it names another one, and what crashed saves left."""
-    old = None
-    if os.path.exists(path):
-        try:
-            old = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("sharded")
-        except Exception:  # an unreadable old file names nothing we could trust
-            pass
-    torch.save(ck, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    out_dir = os.path.dirname(path)
-    stale = [old] if old and old != ck.get("sharded") else []
-    stale += [f for f in os.listdir(out_dir) if f.endswith(".dcp.tmp")]  # crashed saves
-    for f in stale:
-        shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
+def set_sharded_state(raw_model, optimizer, state):
+    set_state_dict(raw_model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
 
 
-def load_checkpoint_state(ck, path, raw_model, optimizer):
-    """Load model weights and optimizer state of the checkpoint `ck` (read from `path`) into
-    raw_model and optimizer, whatever wrote it and however they are sharded now: DCP
-    reshards an FSDP run's folder to any number of ranks, FSDP or not."""
-    if "sharded" in ck:
-        folder = os.path.join(os.path.dirname(path), ck["sharded"])
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(f"{path} names {folder}, which does not exist")
-        # get_state_dict gives the state as it is laid out now (and creates the optimizer's
-        # state, which DCP needs to exist to load into); DCP fills it in place.
-        msd, osd = get_state_dict(raw_model, optimizer)
-        state = {"model": msd, "optimizer": osd}
-        with warnings.catch_warnings():  # it warns about no_dist=True even when asked for it
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
-        set_state_dict(raw_model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-    elif is_sharded(raw_model):  # a DDP run's full state, cut into this rank's shards
-        # The file's optimizer state is keyed by position in the parameter groups; name the
-        # entries by parameter instead, the form the distributed loader understands.
-        names = {id(p): n for n, p in raw_model.named_parameters()}
-        saved = ck["optimizer"]
-        fqn = {i: names[id(p)] for g, cur in zip(saved["param_groups"], optimizer.param_groups)
-               for i, p in zip(g["params"], cur["params"])}
-        osd = {"state": {fqn[i]: v for i, v in saved["state"].items()},
-               "param_groups": [dict(g, params=[fqn[i] for i in g["params"]])
-                                for g in saved["param_groups"]]}
-        set_state_dict(raw_model, optimizer, model_state_dict=ck["model"], optim_state_dict=osd,
-                       options=StateDictOptions(full_state_dict=True))
-    else:
-        raw_model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
+def full_weights(raw_model):
+    """The consolidated weights of a sharded model, gathered to rank 0's CPU one parameter at
+    a time (a collective: every rank calls it)."""
+    return get_model_state_dict(raw_model,
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(raw_model, optimizer, weights, optim_state):
+    """Load a one-process or DDP run's full state into raw_model and optimizer, cut into this
+    rank's shards if the model is sharded."""
+    if not is_sharded(raw_model):
+        raw_model.load_state_dict(weights)
+        optimizer.load_state_dict(optim_state)
+        return
+    # The file's optimizer state is keyed by position in the parameter groups; name the
+    # entries by parameter instead, the form the distributed loader understands.
+    names = {id(p): n for n, p in raw_model.named_parameters()}
+    fqn = {i: names[id(p)] for saved, cur in zip(optim_state["param_groups"],
+                                                 optimizer.param_groups)
+           for i, p in zip(saved["params"], cur["params"])}
+    osd = {"state": {fqn[i]: v for i, v in optim_state["state"].items()},
+           "param_groups": [dict(g, params=[fqn[i] for i in g["params"]])
+                            for g in optim_state["param_groups"]]}
+    set_state_dict(raw_model, optimizer, model_state_dict=weights, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))

@@ -18,6 +18,7 @@ import torch
 
 from checkpoint import describe, load_run, pick_device
 from configurator import ConfigError, configure
+from generate import generate_stream
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -151,9 +152,9 @@ def main(argv):
     steps, t0 = 0, time.perf_counter()
     t_first = None
     try:
-        for nxt in model.generate_stream(x, cfg["max_new_tokens"], cfg["temperature"],
-                                         cfg["top_k"] or None, cfg["top_p"], cfg["use_cache"],
-                                         gen, compiled):
+        for nxt in generate_stream(model, x, cfg["max_new_tokens"], cfg["temperature"],
+                                   cfg["top_k"] or None, cfg["top_p"], cfg["use_cache"],
+                                   gen, compiled):
             for b, t in enumerate(nxt[:, 0].tolist()):  # .tolist() waits for the device
                 if done[b]:
                     continue

@@ -1,8 +1,7 @@
 # The default: `python train.py config/small.py`. A small RoFormer on the pystdlib corpus
 # (built from this Python's standard library on first use, no download) that clearly learns
-# within 10 minutes on a 2-core CPU, corpus build included, also where the CPU has no native
-# bf16 and trains in float32 (README: measured times per CPU kind). On a GPU it takes well
-# under a minute.
+# within minutes on a 2-core CPU, corpus build included, also where the CPU has no native
+# bf16 and trains in float32 (docs/SPEED.md has the times per CPU kind).
 out_dir = "out-small"
 dataset = "pystdlib"
 eval_interval = 100
@@ -24,7 +23,6 @@ min_lr = 2e-4
 weight_decay = 0.1
 
 # dtype and device are left to train.py's auto choice (bf16 autocast on CPUs with native
-# bf16, float32 on the rest). No compile: it costs ~50-70 s up front on a 2-core CPU and
-# makes float32 steps only ~1.07x faster (bf16 ~1.2x; bench/train.py), which does not pay
-# back within a run this short. On a GPU, pass --compile=True for longer runs.
+# bf16, float32 on the rest). No compile: on a small CPU its start-up cost does not pay back
+# within a run this short (docs/SPEED.md). On a GPU, pass --compile=True for longer runs.
 compile = False

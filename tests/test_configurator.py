@@ -112,3 +112,40 @@ def test_gpu_peak_matches_the_exact_model(name, tflops):
     from configurator import gpu_peak_flops
     got = gpu_peak_flops(name)
     assert (got is None and tflops is None) or got == tflops * 1e12
+
+
+@pytest.mark.parametrize("text,line,words", [
+    ("batch_size = 8\nlearning_rate = (1e-3\n", 2, ["syntax error"]),
+    ("batch_size = 8\nimport math\nlearning_rate = math.sqrt(-1)\n", 3,
+     ["ValueError", "math domain error"]),
+    ("batch_size = 8\nraise RuntimeError('not this machine')\n", 2,
+     ["RuntimeError", "not this machine"]),
+])
+def test_a_config_file_that_fails_is_one_line_naming_the_file_and_line(tmp_path, text, line,
+                                                                       words):
+    """A syntax error or an exception in a config file used to be a traceback."""
+    f = tmp_path / "c.py"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(f)])
+    msg = str(e.value)
+    assert "\n" not in msg and str(f) in msg and f"line {line}" in msg, msg
+    assert all(w in msg for w in words), msg
+
+
+def test_gpu_peak_depends_on_the_dtype_that_runs():
+    """MFU of an fp32 run (TF32 tensor cores, allowed by train.py) is measured against the
+    card's TF32 rate, not its bf16 rate; fp16/bf16 against the 16-bit rate; a dtype a card only
+    emulates (bf16 on a T4 or V100) has no peak. Datasheet figures (dense), written out here."""
+    from configurator import GPU_PEAK_FLOPS, gpu_peak_flops
+    datasheet = {"NVIDIA H100 80GB HBM3": (989, 494.5), "NVIDIA A100-SXM4-80GB": (312, 156),
+                 "NVIDIA L4": (121, 60), "NVIDIA H100 PCIe": (756, 378)}
+    for name, (half, tf32) in datasheet.items():
+        assert gpu_peak_flops(name, "bfloat16") == gpu_peak_flops(name, "float16") == half * 1e12
+        assert gpu_peak_flops(name, "float32") == tf32 * 1e12
+    assert gpu_peak_flops("Tesla T4", "bfloat16") is None
+    assert gpu_peak_flops("Tesla T4", "float16") == 65e12
+    assert gpu_peak_flops("Tesla T4", "float32") == 8.1e12  # no TF32 before Ampere
+    for key in GPU_PEAK_FLOPS:  # every card: fp32 below its 16-bit tensor-core rate
+        name = " ".join(key)
+        assert gpu_peak_flops(name, "float32") < gpu_peak_flops(name, "float16")

@@ -25,6 +25,7 @@ import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 from data import common  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
+from generate import generate  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402
                        one_thread)  # noqa: F401 (an autouse fixture)
 
@@ -114,7 +115,7 @@ def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling,
         plain.load_state_dict(model.state_dict())
         assert max_logit_diff(plain, hf) > 1e-2
     prompt = torch.randint(0, args["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
-    ours = model.generate(prompt, 32, temperature=0)
+    ours = generate(model, prompt, 32, temperature=0)
     theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
                          pad_token_id=run["sp"].eos_id())
     assert torch.equal(ours, theirs)
@@ -124,7 +125,7 @@ def test_trained_run_logits_and_greedy_generation_match(run):
     model, hf = run["model"], run["hf"]
     assert max_logit_diff(model, hf, seed=3) < 1e-4
     prompt = torch.tensor([run["sp"].encode("def value_1(x):\n    return")])
-    ours = model.generate(prompt, 32, temperature=0)
+    ours = generate(model, prompt, 32, temperature=0)
     # min_new_tokens would ban EOS; eos_token_id=None lets both run 32 tokens unhindered
     theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
                          pad_token_id=run["sp"].eos_id())
@@ -203,7 +204,8 @@ def test_char_tokenizer_and_unigram_refusal(run, tmp_path):
 # --- eval.py and the exported model agree on bits per byte -----------------------------------
 
 def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
-    text = "\n\n".join(t for _, t in corpus_docs(6, seed=4))
+    # one paragraph (no blank line): eval.py splits a single file at blank lines, as prepare does
+    text = "\n".join(t for _, t in corpus_docs(6, seed=4))
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")
     capsys.readouterr()
     evalpy.main([f"--out_dir={run['out']}", f"--input={tmp_path / 't.txt'}", "--json"])

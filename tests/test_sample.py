@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import sample  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
+from generate import generate  # noqa: E402
 
 BLOCK = 32
 # Steps of a 32-wide model are far too small to split across threads; on a busy 2-core
@@ -115,7 +116,7 @@ def reference(out_dir, prompt_ids, n, seed, num_samples=1, **kw):
     model = RoFormer(RoFormerConfig(**args)).eval()
     model.load_state_dict(ckpt["model"])
     x = torch.tensor(prompt_ids)[None].repeat(num_samples, 1)
-    y = model.generate(x, n, generator=torch.Generator().manual_seed(seed), **kw)
+    y = generate(model, x, n, generator=torch.Generator().manual_seed(seed), **kw)
     rows = []
     for row in y[:, len(prompt_ids):].tolist():
         rows.append(prompt_ids + (row[:row.index(1)] if 1 in row else row))  # eos_id is 1

@@ -1,15 +1,18 @@
 """train.py end to end, in subprocesses, on tiny data made here. The references are other
 runs: an unbroken run for resume and restart, one process for DDP, the first checkpoint for
 a failing run, the files themselves (sha256) for the tokenizer identity."""
+import atexit
 import glob
 import hashlib
 import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -44,8 +47,13 @@ def data(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("data")))
 
 
+# The runs' caches (the CPU peak, runs.py) in a folder of this test session, not the user's
+CACHE = tempfile.mkdtemp(prefix="roformer-test-cache-")
+atexit.register(shutil.rmtree, CACHE, True)
+
+
 def env(**extra):
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", XDG_CACHE_HOME=CACHE)
     e.pop("RANK", None)
     e.update(extra)
     return e
@@ -86,20 +94,20 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     out = str(tmp_path / "out")
     r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, f"--attention={attention}",
               "--max_iters=30", "--eval_interval=10", "--log_interval=5")
-    rows = log(out)
+    evals = log(out)
     # Not on a terminal (a pipe here, like CI, SLURM or `> log`): one plain line per
     # log_interval instead of a bar's carriage-return updates, which wrote megabytes.
     assert "\r" not in r.stderr and "\r" not in r.stdout
     progress = [ln for ln in r.stdout.splitlines() if ln.startswith("iter ") and "/30:" in ln]
     assert [ln.split("/")[0] for ln in progress] == [f"iter {i}" for i in range(5, 31, 5)]
     assert all("loss" in ln and "eta" in ln for ln in progress)
-    assert [r["iter"] for r in rows] == [0, 10, 20, 30]
-    assert set(rows[0]) == {"iter", "train_loss", "val_loss", "lr", "tokens", "time_s"}
-    assert rows[-1]["tokens"] == 30 * 4 * 32
-    assert abs(rows[0]["val_loss"] - np.log(V)) < 0.3     # starts near uniform
-    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.7  # and clearly learns
+    assert [r["iter"] for r in evals] == [0, 10, 20, 30]
+    assert set(evals[0]) == {"iter", "train_loss", "val_loss", "lr", "tokens", "time_s"}
+    assert evals[-1]["tokens"] == 30 * 4 * 32
+    assert abs(evals[0]["val_loss"] - np.log(V)) < 0.3     # starts near uniform
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.7  # and clearly learns
     ck = load(out)
-    assert ck["iter_num"] == 30 and ck["best_val_loss"] == min(r["val_loss"] for r in rows)
+    assert ck["iter_num"] == 30 and ck["best_val_loss"] == min(r["val_loss"] for r in evals)
     assert ck["model_args"]["attention"] == attention and ck["model_args"]["vocab_size"] == V
     assert ck["config"]["max_iters"] == 30
     assert ck["tokenizer"]["sha256"] is None and ck["tokenizer"]["vocab_size"] == V
@@ -351,8 +359,8 @@ def test_compile_trains_on_cpu(data, tmp_path):
     out = str(tmp_path / "out")
     train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--compile=True", "--max_iters=20",
           "--eval_interval=20", "--dtype=float32")
-    rows = log(out)
-    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3
+    evals = log(out)
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
     assert not any(k.startswith("_orig_mod") for k in load(out)["model"])
 
 
@@ -389,3 +397,271 @@ def test_wandb_offline_records_the_run(data, tmp_path):
     for row in log(out):
         assert json.dumps(row["val_loss"]).encode() in blob
     assert blob.count(b"val/loss") >= len(log(out))
+
+
+# ----------------------------------------------------------------------------------------
+# mistakes end in one line, before training starts, and leave nothing behind
+
+def one_line_error(r):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr[-3000:]
+    return lines[0]
+
+
+def with_token_counts(d):
+    """make_data's folder with the token counts prepare.py records in meta.json."""
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    for split in ("train", "val"):
+        meta[f"{split}_tokens"] = os.path.getsize(os.path.join(d, f"{split}.bin")) // 2
+    json.dump(meta, open(os.path.join(d, "meta.json"), "w"))
+    return d
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "meta_not_json"])
+def test_a_damaged_dataset_is_one_line_before_training(tmp_path, damage):
+    """A train.bin cut short used to train on what was left (exit 0); an empty one or a
+    meta.json that is not JSON ended in a traceback. Each is one line naming the file, and the
+    out_dir the command would have made is not left behind."""
+    d = with_token_counts(make_data(str(tmp_path / "data")))
+    train_bin = os.path.join(d, "train.bin")
+    size = os.path.getsize(train_bin)
+    if damage == "truncated":
+        with open(train_bin, "r+b") as f:
+            f.truncate(size // 2)
+    elif damage == "empty":
+        open(train_bin, "w").close()
+    else:
+        with open(os.path.join(d, "meta.json"), "w") as f:
+            f.write('{"vocab_size": 64, "dtype": ')
+    out = tmp_path / "out"
+    line = one_line_error(train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=2",
+                                check=False))
+    if damage == "meta_not_json":
+        assert "meta.json" in line and "JSON" in line
+    else:
+        assert "train.bin" in line
+    if damage == "truncated":  # both sizes: the file's and the one meta.json implies
+        assert f"{size // 2:,}" in line and f"{size:,}" in line, line
+    assert not out.exists()
+
+
+def test_token_ids_beyond_the_vocab_are_one_line(tmp_path):
+    """A train.bin encoded with another (larger) tokenizer than meta.json says: the ids past the
+    vocabulary used to end in an IndexError deep in the embedding."""
+    d = make_data(str(tmp_path / "data"))
+    tokens = np.fromfile(os.path.join(d, "train.bin"), dtype=np.uint16)
+    tokens[::50] = V + 30  # in every window of 33 tokens
+    tokens.tofile(os.path.join(d, "train.bin"))
+    line = one_line_error(train(f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                                "--max_iters=2", check=False))
+    assert "train.bin" in line and str(V + 30) in line and f"vocab_size is {V}" in line
+
+
+def test_a_failed_command_leaves_no_empty_out_dir(data, tmp_path):
+    out = tmp_path / "new" / "out"
+    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY,
+                                "--n_embd=30", "--n_head=4", check=False))
+    assert "divisible" in line and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["out_dir_under_a_file", "log_is_a_folder", "read_only"])
+def test_an_out_dir_that_cannot_be_written_is_one_line_before_training(data, tmp_path, where):
+    out = tmp_path / "out"
+    if where == "out_dir_under_a_file":
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "out"
+    elif where == "log_is_a_folder":
+        (out / "log.jsonl").mkdir(parents=True)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes to read-only folders")
+        out.mkdir()
+        out.chmod(0o555)
+    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2", check=False)
+    line = one_line_error(r)
+    assert "cannot write" in line and str(tmp_path) in line
+    assert "parameters" not in r.stdout  # nothing was built or trained
+
+
+def test_a_config_file_that_raises_is_one_line_naming_the_file_and_line(data, tmp_path):
+    conf = tmp_path / "conf.py"
+    conf.write_text("batch_size = 4\nn_layer = 2\nn_head = undefined_name\n")
+    line = one_line_error(train(str(conf), f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}",
+                                check=False))
+    assert str(conf) in line and "line 3" in line and "undefined_name" in line
+
+
+@pytest.mark.parametrize("content", [b"", b"this is a text file, not a checkpoint\n"])
+def test_a_file_that_is_not_a_checkpoint_says_so_on_resume(data, tmp_path, content):
+    """torch's own message for a 0-byte or non-zip file is a hint about
+    _use_new_zipfile_serialization, which tells a user nothing."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ckpt.pt").write_bytes(content)
+    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY,
+                                "--init_from=resume", check=False))
+    assert "ckpt.pt" in line and "not a checkpoint" in line and "zipfile" not in line
+
+
+def test_weights_that_do_not_fit_model_args_are_one_line_on_resume(data, tmp_path):
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY]
+    train(*common, "--max_iters=2")
+    ck = load(out)
+    ck["model_args"] = dict(ck["model_args"], n_embd=48)
+    torch.save(ck, os.path.join(out, "ckpt.pt"))
+    line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume", check=False))
+    assert "do not fit" in line and "ckpt.pt" in line
+
+
+FULL_DISK = """
+import errno, os, torch
+_save = torch.save
+calls = [0]
+def save(obj, f, *a, **k):
+    calls[0] += 1
+    if calls[0] < int(os.environ["FULL_DISK_AT_SAVE"]):
+        return _save(obj, f, *a, **k)
+    f.write(b"PK partial bytes")  # the disk fills up halfway through
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+torch.save = save
+"""
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(data, tmp_path):
+    """The second save fails with ENOSPC: one line, the checkpoint of the first save stays
+    (and still loads), and no temp file is left."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK)
+    out = str(tmp_path / "out")
+    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=4",
+              "--eval_interval=2", check=False, PYTHONPATH=str(site), FULL_DISK_AT_SAVE="2")
+    line = one_line_error(r)
+    assert "No space left on device" in line and "ckpt.pt" in line
+    assert load(out)["iter_num"] == 2
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+
+
+FSYNC_TRACE = """
+import os
+_fsync, _replace = os.fsync, os.replace
+def fsync(fd):
+    path = os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}")
+    with open(os.environ["FSYNC_TRACE"], "a") as f:
+        f.write(f"fsync {os.path.realpath(path)}\\n")
+    return _fsync(fd)
+def replace(src, dst, *a, **k):
+    with open(os.environ["FSYNC_TRACE"], "a") as f:
+        f.write(f"replace {os.path.realpath(src)} {os.path.realpath(dst)}\\n")
+    return _replace(src, dst, *a, **k)
+os.fsync, os.replace = fsync, replace
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads fd paths from /proc")
+def test_checkpoints_are_fsynced_before_the_rename_and_the_folder_after(data, tmp_path):
+    """A rename survives a power loss only if the file's data was on disk before it and the
+    folder's entry after it."""
+    site, trace = tmp_path / "site", tmp_path / "trace.txt"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FSYNC_TRACE)
+    out = os.path.realpath(str(tmp_path / "out"))
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2",
+          "--eval_interval=1", PYTHONPATH=str(site), FSYNC_TRACE=str(trace))
+    events = trace.read_text().splitlines()
+    ckpt = os.path.join(out, "ckpt.pt")
+    renames = [i for i, e in enumerate(events) if e == f"replace {ckpt}.tmp {ckpt}"]
+    assert len(renames) == 2, events  # the saves at iterations 1 and 2
+    start = 0
+    for i in renames:
+        assert f"fsync {ckpt}.tmp" in events[start:i], events  # the data, before the rename
+        assert f"fsync {out}" in events[i + 1:], events  # the folder's entry, after it
+        start = i + 1
+
+
+def test_resume_without_the_config_file_checks_the_data_with_the_checkpoints_block_size(
+        tmp_path):
+    """A 100-token val split holds windows of the checkpoint's block_size 32; the check used
+    the command's default block_size (256) and refused to resume."""
+    d = make_data(str(tmp_path / "data"))
+    np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)[:100].tofile(
+        os.path.join(d, "val.bin"))
+    out = str(tmp_path / "out")
+    train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=2")
+    train(f"--data_dir={d}", f"--out_dir={out}", "--init_from=resume", "--max_iters=3",
+          "--compile=False", "--eval_iters=2", "--batch_size=4")
+    assert load(out)["iter_num"] == 3 and load(out)["model_args"]["block_size"] == 32
+
+
+def test_resuming_with_identical_flags_notes_no_change(data, tmp_path):
+    """vocab_size=0 means "from the dataset"; the checkpoint records the resolved 64, and the
+    resume used to note "vocab_size changed"."""
+    common = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY]
+    train(*common, "--max_iters=2")
+    r = train(*common, "--max_iters=4", "--init_from=resume")
+    assert "changed" not in r.stdout, r.stdout
+
+
+def test_wandb_resume_continues_the_same_run(data, tmp_path):
+    """The resumed run logs to the wandb run the first one started (its id is in the
+    checkpoint), not to a new one."""
+    pytest.importorskip("wandb")
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--eval_interval=2",
+              "--wandb_log=True"]
+    wb = dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=out)
+    train(*common, "--max_iters=2", **wb)
+    first = load(out)["wandb_id"]
+    train(*common, "--max_iters=4", "--init_from=resume", **wb)
+    runs = sorted(glob.glob(os.path.join(out, "wandb", "offline-run-*")))
+    assert len(runs) == 2 and first
+    assert all(r.endswith("-" + first) for r in runs), runs
+    assert load(out)["wandb_id"] == first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--optimizer=sgd"], "optimizer must be 'adamw' or 'muon'"),
+    (["--optimizer=muon", "--fsdp=True"], "optimizer=muon does not work with fsdp=True"),
+    (["--optimizer=muon", "--dtype=float16"], "float16"),
+])
+def test_optimizer_choices_are_checked_in_one_line(data, tmp_path, args, message):
+    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", *TINY,
+                                *args, check=False))
+    assert message in line
+    if "--dtype=float16" in args and torch.cuda.is_available():
+        assert "GradScaler" in line and "muon" in line
+
+
+def test_train_defaults_are_roformer_config_defaults():
+    """The model keys come from RoFormerConfig itself (declared once), except vocab_size,
+    whose training default 0 means "from the dataset"."""
+    import ast
+    import dataclasses
+    sys.path.insert(0, ROOT)
+    from model import RoFormerConfig
+    src = open(TRAIN).read()
+    tree = ast.parse(src)
+    assigned = []  # names the defaults section assigns (it ends where MODEL_KEYS is built)
+    for node in tree.body:
+        names = [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        if "MODEL_KEYS" in names:
+            break
+        assigned += names
+    assigned = set(assigned)
+    fields = {f.name for f in dataclasses.fields(RoFormerConfig)}
+    assert assigned & fields == {"vocab_size"}  # no model key declared twice
+    # the effective defaults, as recorded in a checkpoint's config, are RoFormerConfig's
+    defaults = dataclasses.asdict(RoFormerConfig())
+    assert (defaults["block_size"], defaults["n_layer"], defaults["n_head"],
+            defaults["n_embd"]) == (256, 6, 6, 384)
+
+
+def test_resuming_with_another_optimizer_is_one_line(data, tmp_path):
+    """AdamW's state cannot continue as Muon's (or back): say which optimizer the checkpoint
+    holds instead of failing inside load_state_dict."""
+    common = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY]
+    train(*common, "--max_iters=2")
+    line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume",
+                                "--optimizer=muon", check=False))
+    assert "--optimizer=adamw" in line

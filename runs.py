@@ -1,0 +1,279 @@
+"""
+Run management for train.py: which dataset folder, which out_dir, which run, whose checkpoint.
+
+- A run has an id, recorded in its checkpoints. A torchrun restart resumes only its own run's
+  checkpoint; a new run moves an older run's checkpoint and log aside instead of overwriting it.
+- out_dir is created and checked for writing before any training starts; a command that fails
+  before writing anything leaves no empty out_dir behind (fail).
+- The default corpus is built on first use; every dataset is checked (data/dataset.py) first.
+- log.jsonl is trimmed back to the checkpoint when a run resumes.
+- The CPU's peak matmul rate, which CPU MFU is measured against, is timed once per machine
+  setup and kept in a small cache file.
+"""
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+
+import torch
+
+from checkpoint import CheckpointError, read
+from configurator import file_sha256
+from data.dataset import DatasetError, load_meta, open_split
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+created_out_dir = None  # the out_dir this command made, removed again if it fails while empty
+
+
+def fail(msg):
+    """One line `error: ...` and exit 1, without leaving behind an out_dir this command made
+    and never wrote to."""
+    if created_out_dir and os.path.isdir(created_out_dir) and not os.listdir(created_out_dir):
+        with contextlib.suppress(OSError):
+            os.rmdir(created_out_dir)
+    sys.exit(f"error: {msg}")
+
+
+def barrier(ddp):
+    if ddp:
+        torch.distributed.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# the dataset
+
+def prepare_command(dataset):
+    """The command that builds data/<dataset>."""
+    base = dataset[:-len("_char")] if dataset.endswith("_char") else None
+    if os.path.exists(os.path.join(REPO, "data", dataset, "prepare.py")):
+        return f"python data/{dataset}/prepare.py"
+    if base and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
+        return f"python data/{base}/prepare.py --char"  # the character-level variant
+    return f"python data/text/prepare.py --input YOUR_FILES --out_dir data/{dataset}"
+
+
+def open_dataset(dataset, data_dir, master, ddp):
+    """(folder, meta.json) of the dataset, with both splits checked against meta.json. The
+    default corpus is built from this Python's standard library (no download, so the first
+    command works on a fresh clone): rank 0 builds it, the others wait at the barrier."""
+    ddir = data_dir or os.path.join(REPO, "data", dataset)
+    needed = ["train.bin", "val.bin", "meta.json"]
+    missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
+    if missing and dataset == "pystdlib" and not data_dir:
+        if master:
+            print(f"data/{dataset} not found: building it with data/{dataset}/prepare.py ...",
+                  flush=True)
+            built = subprocess.run([sys.executable, os.path.join(REPO, "data", dataset,
+                                                                 "prepare.py")])
+            if built.returncode:
+                fail(f"python data/{dataset}/prepare.py failed (exit {built.returncode})")
+        barrier(ddp)
+        missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
+    if missing:
+        fail(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); build it "
+             f"with: {prepare_command(dataset)}")
+    try:
+        meta = load_meta(ddir)
+        for split in ("train", "val"):
+            open_split(ddir, split, meta)
+    except DatasetError as e:
+        fail(str(e))
+    return ddir, meta
+
+
+def tokenizer_identity(dataset, data_dir, ddir, meta):
+    """What the checkpoint records about the tokenizer: sample.py finds the file by it and
+    checks it by its sha256 (None for a dataset without tokenizer.model)."""
+    path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))
+    return {"dataset": dataset, "data_dir": data_dir, "path": path,
+            "sha256": file_sha256(path) if os.path.exists(path) else None,
+            "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
+            "bos_id": meta.get("bos_id")}
+
+
+def check_split_sizes(ddir, meta, block_size):
+    """Both splits hold at least one window of block_size + 1 tokens."""
+    for split in ("train", "val"):
+        tokens = len(open_split(ddir, split, meta))
+        if tokens < block_size + 1:
+            fail(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
+                 f"{block_size + 1}; lower block_size or use more data")
+
+
+# ----------------------------------------------------------------------------------------
+# out_dir, the run, its checkpoint and log
+
+def run_identity():
+    """(run id, restart count). Under torchrun the id is the rendezvous id: the same on every
+    node and across --max-restarts restarts (--standalone draws a fresh one; across nodes pass
+    a unique --rdzv_id, e.g. the SLURM job id). A single process draws its own."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex, restarts
+
+
+def make_out_dir(out_dir):
+    """Create out_dir and check now, before any training, that the run can write its files
+    there (a checkpoint, log.jsonl); a full hour of training lost to a typo'd path is worse
+    than one line at the start."""
+    global created_out_dir
+    try:
+        if not os.path.isdir(out_dir):
+            os.makedirs(out_dir, exist_ok=True)
+            created_out_dir = out_dir
+        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+        log_path = os.path.join(out_dir, "log.jsonl")
+        if os.path.lexists(log_path):
+            with open(log_path, "a"):
+                pass
+    except OSError as e:
+        fail(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})")
+
+
+def load_checkpoint(path):
+    try:  # mmap: every rank reads the metadata; the weights are paged in only where needed
+        return read(path, mmap=True)
+    except CheckpointError as e:
+        fail(str(e))
+
+
+def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
+    """(checkpoint to resume from or None, init_from as it now is). A torchrun restart after a
+    crash continues from the last checkpoint, but only if this run wrote it; a new run moves
+    another run's checkpoint aside."""
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    ckpt = None
+    if init_from == "resume":
+        if not os.path.exists(ckpt_path):
+            fail(f"init_from=resume but {ckpt_path} does not exist")
+        ckpt = load_checkpoint(ckpt_path)
+    elif restarts > 0 and os.path.exists(ckpt_path):
+        ckpt = load_checkpoint(ckpt_path)
+        if ckpt.get("run_id") == run_id:
+            if master:
+                print(f"restart {restarts}: resuming from {ckpt_path}", flush=True)
+            init_from = "resume"
+        else:
+            ckpt = None
+    if init_from == "scratch" and os.path.exists(ckpt_path):
+        barrier(ddp)  # every rank has decided before the file moves
+        if master:
+            move_aside(out_dir)
+    return ckpt, init_from
+
+
+def check_resume(ckpt, config, tokenizer, loop_keys, master):
+    """Resume only with the checkpoint's tokenizer; note (rank 0) the keys this command
+    changes. Model keys always come from the checkpoint; `loop_keys` only say how long and how
+    often, so changing them is expected."""
+    model_args = ckpt["model_args"]
+    differ = [k for k in config if k not in loop_keys and k in ckpt["config"]
+              and ckpt["config"][k] != config[k]
+              and not (k in model_args and model_args[k] == config[k])]
+    if master and differ:
+        print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
+              f"(model keys are taken from the checkpoint; the rest from this command)")
+    saved_optimizer = ckpt["config"].get("optimizer", "adamw")  # older runs: AdamW
+    if saved_optimizer != config["optimizer"]:
+        fail(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume with "
+             f"--optimizer={saved_optimizer}")
+    if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
+        fail(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
+             f"{tokenizer['path']}; resume with the same dataset")
+
+
+def move_aside(out_dir):
+    """A new run never overwrites another run's work, and a restart must not mistake it for its
+    own: move the old checkpoint and its log aside, stamped with the checkpoint's time."""
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(ckpt_path)))
+    for name, ext in (("ckpt", ".pt"), ("log", ".jsonl")):
+        old = os.path.join(out_dir, name + ext)
+        if os.path.exists(old):
+            os.replace(old, os.path.join(out_dir, f"{name}.{stamp}{ext}"))
+    print(f"note: {out_dir} held a checkpoint of another run; moved it to "
+          f"ckpt.{stamp}.pt (and its log to log.{stamp}.jsonl)", flush=True)
+
+
+def start_log(log_path, resumed, start_iter):
+    """A new run starts a new log. A resumed one drops the evaluations logged after its
+    checkpoint (a crash between the two): it logs them again."""
+    if not resumed:
+        open(log_path, "w").close()
+        return
+    if not os.path.exists(log_path):
+        return
+    with open(log_path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["iter"] <= start_iter]
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(log_path + ".tmp", log_path)
+
+
+# ----------------------------------------------------------------------------------------
+# the CPU's peak, which CPU MFU is measured against (a CPU has no honest datasheet number)
+
+def time_matmul(dtype, seconds=0.2, bursts=4):
+    """FLOP/s of a 1024^3 matmul in `dtype` on this process's threads: the best of a few short
+    bursts, so that a moment of load from other processes does not end up in the cache."""
+    a = torch.randn(1024, 1024, dtype=dtype)
+    a @ a  # warm up
+    best = 0.0
+    for _ in range(bursts):
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / bursts:
+            a @ a
+            calls += 1
+        best = max(best, 2 * 1024 ** 3 * calls / (time.perf_counter() - t0))
+    return best
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cached_cpu_peak(dtype):
+    """time_matmul's rate, timed once per CPU model, thread count, dtype and torch version and
+    kept in ~/.cache/roformer/cpu_peak.json (delete it to time again): a short run should not
+    pay for the probe every time."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                         "roformer", "cpu_peak.json")
+    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
+    try:
+        with open(cache) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict) or not isinstance(table.get(key), float):
+        table = table if isinstance(table, dict) else {}
+        table[key] = time_matmul(dtype)
+        with contextlib.suppress(OSError):  # a read-only home: time it again next run
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            with open(f"{cache}.{os.getpid()}.tmp", "w") as f:
+                json.dump(table, f, indent=1)
+            os.replace(f"{cache}.{os.getpid()}.tmp", cache)
+    return table[key]
+
+
+def cpu_peak_flops(dtype, ddp):
+    """One process's CPU peak in `dtype`. Under DDP rank 0 times it alone and shares it: ranks
+    timing at once on shared cores would each measure a fraction of the peak."""
+    peak = torch.zeros((), dtype=torch.float64)
+    if not ddp or torch.distributed.get_rank() == 0:
+        peak.fill_(cached_cpu_peak(dtype))
+    if ddp:
+        torch.distributed.broadcast(peak, src=0)
+    return peak.item()

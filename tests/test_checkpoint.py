@@ -1,0 +1,179 @@
+"""checkpoint.py, the one module that reads and writes checkpoints: load_run's RoPE scaling
+overrides against a model built with that scaling directly, files that are not checkpoints, a
+full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
+the training device/dtype rules of pick_device."""
+import errno
+import hashlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+from model import RoFormer, RoFormerConfig  # noqa: E402
+
+ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([f"alpha beta gamma delta {i} epsilon zeta eta theta"
+                                for i in range(200)]),
+        model_writer=buf, model_type="bpe", vocab_size=64, hard_vocab_limit=False, unk_id=0,
+        bos_id=-1, eos_id=1, pad_id=-1, minloglevel=2)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.model"
+    path.write_bytes(buf.getvalue())
+    return {"path": str(path), "sha256": hashlib.sha256(buf.getvalue()).hexdigest(),
+            "dataset": "tiny"}
+
+
+def write_run(out, tokenizer, **model_args):
+    """A run folder as train.py writes it, for a model with these arguments."""
+    torch.manual_seed(0)
+    model = RoFormer(RoFormerConfig(**ARGS, **model_args))
+    os.makedirs(out, exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_args": model.config.__dict__,
+                "tokenizer": tokenizer, "iter_num": 1, "best_val_loss": 1.0},
+               os.path.join(out, "ckpt.pt"))
+    return model
+
+
+def logits(model, T=40):
+    idx = torch.arange(T).remainder(64)[None]
+    with torch.no_grad():
+        return model(idx)[0]
+
+
+def test_rope_scaling_none_switches_a_checkpoints_scaling_off(tmp_path, tokenizer):
+    """--rope_scaling=none means factor 1: the model is the plain RoPE model with the same
+    weights. It used to be refused, because the stored factor (4) stayed with 'none'."""
+    out = str(tmp_path / "run")
+    scaled = write_run(out, tokenizer, rope_scaling="ntk", rope_factor=4.0)
+    model, _, _ = checkpoint.load_run(out, torch.device("cpu"), "float32", rope_scaling="none")
+    assert model.config.rope_scaling == "none" and model.config.rope_factor == 1.0
+    plain = RoFormer(RoFormerConfig(**ARGS))
+    plain.load_state_dict(scaled.state_dict())
+    plain.eval()
+    assert torch.equal(logits(model), logits(plain))
+    # the scaling was on: past a few positions the ntk angles differ (small, at random init)
+    assert (logits(model) - logits(scaled.eval())).abs().max() > 1e-5
+    # and the other way round: a scaling given at inference reaches the model
+    model, _, _ = checkpoint.load_run(out, torch.device("cpu"), "float32", rope_scaling="linear",
+                                      rope_factor=2.0)
+    assert (model.config.rope_scaling, model.config.rope_factor) == ("linear", 2.0)
+
+
+def test_rope_scaling_mistakes_are_one_line(tmp_path, tokenizer):
+    rope, learned = str(tmp_path / "rope"), str(tmp_path / "learned")
+    write_run(rope, tokenizer)
+    write_run(learned, tokenizer, pos_encoding="learned")
+    cpu = torch.device("cpu")
+    for out, kwargs, words in [
+        (rope, dict(rope_factor=4.0), "rope_factor needs --rope_scaling=linear"),
+        (rope, dict(rope_scaling="none", rope_factor=4.0), "rope_factor needs"),
+        (learned, dict(rope_scaling="ntk", rope_factor=2.0), "applies to RoPE models"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.load_run(out, cpu, "float32", **kwargs)
+        assert str(e.value).startswith("error: ") and words in str(e.value), e.value
+        assert "\n" not in str(e.value)
+    # switching scaling off on a model that never had it is no mistake
+    model, _, _ = checkpoint.load_run(learned, cpu, "float32", rope_scaling="none")
+    assert model.config.rope_factor == 1.0
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all\n", "truncated"])
+def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path, tokenizer, content):
+    """One loader for train.py's resume and load_run: a 0-byte, foreign or truncated ckpt.pt is
+    "not a checkpoint", never torch's hint about _use_new_zipfile_serialization."""
+    out = str(tmp_path / "run")
+    write_run(out, tokenizer)
+    path = os.path.join(out, "ckpt.pt")
+    if content == "truncated":
+        content = open(path, "rb").read()[:os.path.getsize(path) // 2]
+    with open(path, "wb") as f:
+        f.write(content)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.read(path)
+    assert "not a checkpoint" in str(e.value) and path in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        checkpoint.load_run(out, torch.device("cpu"), "float32")
+    msg = str(e.value)
+    assert msg.startswith("error: cannot load") and "not a checkpoint" in msg, msg
+    assert "zipfile" not in msg and "\n" not in msg
+
+
+def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """ENOSPC in the middle of torch.save: CheckpointError in one line, ckpt.pt still the
+    previous one, no temp file."""
+    path = str(tmp_path / "ckpt.pt")
+    first = {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1}
+    checkpoint.commit(path, first)
+    before = open(path, "rb").read()
+
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.commit(path, dict(first, iter_num=2))
+    assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
+    assert open(path, "rb").read() == before
+    assert os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+FILL_TMPFS = """
+import os, sys, torch
+sys.path.insert(0, {root!r})
+import checkpoint
+path = os.path.join({mnt!r}, "ckpt.pt")
+checkpoint.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
+try:
+    checkpoint.commit(path, {{"model": {{"w": torch.ones(1_000_000)}}, "model_args": {{}}}})
+except checkpoint.CheckpointError as e:
+    print(e)
+"""
+
+
+def test_a_real_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    """The same on a 1 MB tmpfs, where the second (4 MB) checkpoint cannot fit. Needs root and
+    a kernel that lets this container mount tmpfs; skipped elsewhere."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        r = subprocess.run([sys.executable, "-c", FILL_TMPFS.format(root=ROOT, mnt=str(mnt))],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert "No space left on device" in r.stdout
+        assert os.listdir(mnt) == ["ckpt.pt"]
+        ck = checkpoint.read(str(mnt / "ckpt.pt"))
+        assert ck["model"]["w"].numel() == 1000
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_pick_device_rules_for_training_and_decoding(monkeypatch):
+    """One resolver: training takes bf16 autocast on a CPU with native bf16 matmuls, decoding
+    stays float32 on the CPU; float16 needs CUDA for training (its GradScaler)."""
+    for native in (True, False):
+        monkeypatch.setattr(checkpoint, "cpu_has_bf16", lambda native=native: native)
+        dev, dtype = checkpoint.pick_device("cpu", "auto", training=True)
+        assert dev.type == "cpu" and dtype == ("bfloat16" if native else "float32")
+        assert checkpoint.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
+    with pytest.raises(SystemExit, match="float16 needs CUDA"):
+        checkpoint.pick_device("cpu", "float16", training=True)
+    with pytest.raises(SystemExit, match="dtype must be"):
+        checkpoint.pick_device("cpu", "int8")
+    with pytest.raises(SystemExit, match="unknown device"):
+        checkpoint.pick_device("gpu0")

@@ -1,0 +1,76 @@
+"""runs.py: the CPU peak that CPU MFU is measured against is timed once per machine setup
+(cached) and, under DDP, by one rank and shared, since ranks timing at once on shared cores
+each see a fraction of the machine. The references: a counter on the timing function, and the
+value rank 0 measured.
+
+Run as a script under torchrun (`python -m torch.distributed.run ... tests/test_runs.py OUT`),
+this file is also the worker that records what each rank got."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import runs  # noqa: E402
+
+
+def test_cpu_peak_is_timed_once_per_machine_setup(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    timed = []
+
+    def fake_matmul(dtype, seconds=0.2):
+        timed.append(dtype)
+        return 1e9 * len(timed)
+    monkeypatch.setattr(runs, "time_matmul", fake_matmul)
+    first = runs.cpu_peak_flops(torch.float32, ddp=False)
+    assert runs.cpu_peak_flops(torch.float32, ddp=False) == first == 1e9
+    assert timed == [torch.float32]  # the second call read the cache
+    assert runs.cpu_peak_flops(torch.bfloat16, ddp=False) == 2e9  # another dtype: timed
+    with open(tmp_path / "roformer" / "cpu_peak.json") as f:
+        table = json.load(f)
+    key = next(k for k in table if "float32" in k)
+    assert runs.cpu_model() in key and torch.__version__ in key
+    assert f"{torch.get_num_threads()} threads" in key
+    (tmp_path / "roformer" / "cpu_peak.json").write_text("{not json")  # damaged: timed again
+    assert runs.cpu_peak_flops(torch.float32, ddp=False) == 3e9
+
+
+def test_the_real_probe_measures_a_plausible_rate(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    peak = runs.cpu_peak_flops(torch.float32, ddp=False)
+    assert 1e8 < peak < 1e14  # FLOP/s of one process on any CPU this runs on
+
+
+def worker(out):
+    """Under torchrun with an empty cache: every rank asks for the peak; the timing function
+    answers with a rank-dependent rate and counts its calls."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, timed = dist.get_rank(), []
+
+    def fake_matmul(dtype, seconds=0.2):
+        timed.append(1)
+        return 1e9 * (rank + 1)
+    runs.time_matmul = fake_matmul
+    peak = runs.cpu_peak_flops(torch.float32, ddp=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"peak": peak, "timed": len(timed)}, f)
+    dist.destroy_process_group()
+
+
+def test_cpu_peak_is_timed_by_one_rank_and_shared_under_ddp(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", os.path.abspath(__file__), str(tmp_path)],
+                       capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    assert [g["peak"] for g in got] == [1e9, 1e9]  # rank 0's measurement, on both ranks
+    assert sum(g["timed"] for g in got) == 1
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
