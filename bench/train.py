@@ -8,6 +8,7 @@ are comparable (timings on a shared machine are noisy; read the ratios).
     python bench/train.py --overhead=True    # train.py's step vs a plain nanoGPT-like step
     python bench/train.py --whole=True       # the whole 300-iteration command, both ways
     python bench/train.py --profile=True     # torch.profiler: what train.py adds per step
+    python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
 
 MFU is model FLOPs (model.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
@@ -57,7 +58,7 @@ from optim import build_optimizer  # noqa: E402
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
             "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5, "whole": False,
             "profile": False, "threads": "1,2", "iters": 300, "eval_interval": 250,
-            "eval_iters": 20, "plain_run": ""}
+            "eval_iters": 20, "plain_run": "", "adamw_step": False}
 try:
     args = configure(defaults, sys.argv[1:])
 except ConfigError as e:
@@ -309,7 +310,8 @@ def profile(threads):
         make_random_data(tmp)
         for kind in ("rope", "train.py"):
             prof = torch_profile(activities=[ProfilerActivity.CPU],
-                                 schedule=schedule(wait=args["warmup"], warmup=1, active=n, repeat=1))
+                                 schedule=schedule(wait=args["warmup"], warmup=1, active=n,
+                                                   repeat=1))
             stamps = zero_grad_clock(on_stamp=prof.step)
             with prof:
                 if kind == "train.py":
@@ -341,10 +343,35 @@ def profile(threads):
         print(f"| {k} | {a[0]:.0f} | {b[0]:.0f} | {a[1]:.1f} | {b[1]:.1f} |")
 
 
+def adamw_step(threads):
+    """ms per AdamW step on the recipe's RoFormer, torch's default (a Python loop over the
+    parameters on CPU) vs foreach vs fused, alternated step by step."""
+    torch.set_num_threads(threads)
+    model = plain_model("rope")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    kinds = {"default (for-loop)": {}, "foreach=True": {"foreach": True},
+             "fused=True": {"fused": True}}
+    opts = {k: torch.optim.AdamW(model.parameters(), lr=1e-3, **kw) for k, kw in kinds.items()}
+    times = {k: [] for k in opts}
+    for i in range(20 + 20 * args["steps"]):
+        for k, o in opts.items():
+            t0 = time.perf_counter()
+            o.step()
+            if i >= 20:
+                times[k].append(time.perf_counter() - t0)
+    print(f"\nAdamW step alone, the recipe's RoFormer, {threads} thread(s), median of "
+          f"{len(times[k])} alternated steps")
+    print("| AdamW | ms/step |")
+    print("|---|---:|")
+    for k, t in times.items():
+        print(f"| {k} | {1e3 * statistics.median(t):.2f} |")
+
+
 if args["plain_run"]:
     plain_run(args["plain_run"])
     sys.exit(0)
-if args["overhead"] or args["whole"] or args["profile"]:
+if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"]:
     for threads in map(int, str(args["threads"]).split(",")):
         if args["overhead"]:
             overhead(threads)
@@ -352,6 +379,8 @@ if args["overhead"] or args["whole"] or args["profile"]:
             whole(threads)
         if args["profile"]:
             profile(threads)
+        if args["adamw_step"]:
+            adamw_step(threads)
     sys.exit(0)
 scope = {}
 with open(os.path.join(here, args["config"])) as f:

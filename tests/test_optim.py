@@ -60,7 +60,8 @@ def test_muon_gets_the_blocks_linear_weights_and_adamw_everything_else(pos_encod
     every = [id(p) for p in m.parameters()]
     assert sorted(in_muon + in_adamw) == sorted(every) and len(set(every)) == len(every)
     names = {id(p): n for n, p in m.named_parameters()}
-    assert sorted(names[i] for i in in_muon) == sorted(n for n in names.values() if HIDDEN.fullmatch(n))
+    assert sorted(names[i] for i in in_muon) == sorted(n for n in names.values()
+                                                       if HIDDEN.fullmatch(n))
     assert len(in_muon) == 4 * 2
     # the tied head is wte itself: AdamW's, like the position tables (wpe, rel_k, rel_bias)
     assert id(m.lm_head.weight) == id(m.wte.weight) and id(m.wte.weight) in in_adamw
