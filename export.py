@@ -379,7 +379,9 @@ def export_gguf(cfg, model, sp, proto, text):
     except (OSError, ValueError) as e:
         if tmp and os.path.exists(tmp):
             os.remove(tmp)
-        sys.exit(f"error: cannot write {path}: {getattr(e, 'strerror', None) or e}")
+        reason = getattr(e, "strerror", None) or (f"{e} (a short write: is the disk full?)"
+                                                   if isinstance(e, OSError) else e)
+        sys.exit(f"error: cannot write {path}: {reason}")
     kept_f16 = sum(t[1].name == "F16" for t in tensors.values()) if kind == "q8_0" else 0
     print(f"wrote {path}: gguf {gguf_export.ARCH}, {model.num_params() / 1e6:.2f}M params ({kind}"
           f"{f', {kept_f16} tensors f16 (rows not a multiple of 32)' if kept_f16 else ''}, "
