@@ -39,6 +39,7 @@ gguf_type = "f16"       # of the GGUF's 2-D weights: f32 | f16 | q8_0 (norms and
 # -----------------------------------------------------------------------------------------
 HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
             "model.safetensors")
+GGUF_TYPES = ("f32", "f16", "q8_0")
 
 
 def need(module, package=None):
@@ -294,7 +295,8 @@ def write_folder(path, files):
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export with this pid
+        for leftover in (tmp, tmp + ".old"):  # from a killed export that had this pid
+            shutil.rmtree(leftover, ignore_errors=True)
         os.mkdir(tmp)
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
@@ -389,24 +391,7 @@ def export_gguf(cfg, model, sp, proto, text):
           f"{metadata[f'{gguf_export.ARCH}.rope.freq_base'][0]:g}, tokenizer "
           f"{sp.get_piece_size()} pieces (llama.cpp SPM), eos {sp.id_to_piece(sp.eos_id())!r}; "
           f"read back: {len(metadata)} keys and {len(tensors)} tensors as written", file=sys.stderr)
-    if cfg["check"]:
-        check_gguf_with_llama_cpp(gguf_export, path, model, sp, text)
-
-
-def check_gguf_with_llama_cpp(gguf_export, path, model, sp, text):
-    try:
-        import llama_cpp
-    except ImportError:
-        print("note: llama-cpp-python is not installed, so llama.cpp did not run the file "
-              "(pip install llama-cpp-python to check it here)", file=sys.stderr)
-        return
-    result = gguf_export.compare_with_llama_cpp(path, model, sp, text)
-    print(f"check: llama.cpp {llama_cpp.__version__} loads it; token ids equal to sentencepiece "
-          f"on {result['texts'] - result['texts_differing']}/{result['texts']} texts; max |logit "
-          f"difference| {result['max_logit_diff']:.2e} on {result['positions']} positions (against "
-          f"our model with the file's weights); greedy {result['greedy_tokens']} tokens "
-          f"{'equal' if result['greedy_equal'] else 'DIFFER'}", file=sys.stderr)
-    if result["texts_differing"] or result["max_logit_diff"] > 0.05 * result["logit_scale"]:
+    if cfg["check"] and not gguf_export.check_with_llama_cpp(path, model, sp, text):
         sys.exit("error: llama.cpp's tokenizer or logits do not match this run (see the check "
                  "line above)")
 
@@ -420,7 +405,7 @@ def parse_args(argv):
         sys.exit(f"error: {e}")
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         sys.exit(f"error: dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
-    if cfg["gguf_type"] not in ("f32", "f16", "q8_0"):
+    if cfg["gguf_type"] not in GGUF_TYPES:
         sys.exit(f"error: gguf_type must be f32, f16 or q8_0, got {cfg['gguf_type']!r}")
     need("sentencepiece.sentencepiece_model_pb2", "protobuf")  # both read the tokenizer's pieces
     if cfg["gguf"]:

@@ -13,12 +13,13 @@ export.py decides what may be exported and where the file goes; this module turn
 its tokenizer into metadata and tensors, writes them, reads them back, and compares the file as
 llama.cpp runs it with our model.
 """
+import sys
+
 import numpy as np
 import torch
 
 import gguf
 
-GGUF_TYPES = ("f32", "f16", "q8_0")
 ARCH = "gptneox"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 
@@ -231,6 +232,26 @@ def llama_cpp_greedy(llm, prompt_ids, n_new):
         out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         llm.eval(out[-1:])
     return out
+
+
+def check_with_llama_cpp(path, model, sp, text):
+    """Where llama-cpp-python is installed: run the file, print one line comparing it with our
+    model, and return whether it matches (same ids; logits within 5% of their scale). Without
+    it: a note, and True."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("note: llama-cpp-python is not installed, so llama.cpp did not run the file "
+              "(pip install llama-cpp-python to check it here)", file=sys.stderr)
+        return True
+    result = compare_with_llama_cpp(path, model, sp, text)
+    print(f"check: llama.cpp {llama_cpp.__version__} loads it; token ids equal to sentencepiece "
+          f"on {result['texts'] - result['texts_differing']}/{result['texts']} texts; max |logit "
+          f"difference| {result['max_logit_diff']:.2e} on {result['positions']} positions (against "
+          f"our model with the file's weights); greedy {result['greedy_tokens']} tokens "
+          f"{'equal' if result['greedy_equal'] else 'DIFFER'}", file=sys.stderr)
+    return not result["texts_differing"] and \
+        result["max_logit_diff"] <= 0.05 * result["logit_scale"]
 
 
 @torch.no_grad()

@@ -431,3 +431,10 @@ def test_llama_cpp_logits_equal_ours_with_rope_scaling(run, tmp_path, scaling, f
         with torch.no_grad():
             unscaled = plain(ids[None])[0][0].numpy()
         assert np.abs(theirs - ours).max() < 0.1 * np.abs(unscaled - ours).max()
+
+
+def test_without_llama_cpp_the_check_is_a_note(run, capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it now raises ImportError
+    export.main([f"--out_dir={run['out']}", f"--gguf={tmp_path / 'm.gguf'}"])
+    assert "note: llama-cpp-python is not installed" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["m.gguf"]
