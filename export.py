@@ -117,33 +117,34 @@ def neox_weights(model, dtype):
     The output head is written as embed_out.weight, a copy of the tied embedding: the config
     says it is tied (transformers ties them), and readers with no tying get the same matrix."""
     c = model.config
-    H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd
-    sd = {k: v.detach().to(dtype=torch.float32, device="cpu") for k, v in model.state_dict().items()}
+    H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd  # heads, head size, width
+    state = {k: v.detach().to(dtype=torch.float32, device="cpu")
+             for k, v in model.state_dict().items()}
 
     def bias(name, n):
-        return sd.get(name, torch.zeros(n))
+        return state.get(name, torch.zeros(n))
 
-    out = {"gpt_neox.embed_in.weight": sd["wte.weight"],
-           "gpt_neox.final_layer_norm.weight": sd["ln_f.weight"],
+    out = {"gpt_neox.embed_in.weight": state["wte.weight"],
+           "gpt_neox.final_layer_norm.weight": state["ln_f.weight"],
            "gpt_neox.final_layer_norm.bias": bias("ln_f.bias", C),
-           "embed_out.weight": sd["wte.weight"].clone()}
+           "embed_out.weight": state["wte.weight"].clone()}
     for i in range(c.n_layer):
-        p, q = f"blocks.{i}.", f"gpt_neox.layers.{i}."
-        qkv_w = sd[p + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1).reshape(3 * C, C)
-        qkv_b = bias(p + "attn.c_attn.bias", 3 * C).view(3, H, D).transpose(0, 1).reshape(3 * C)
+        ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        qkv_w = state[ours + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1).reshape(3 * C, C)
+        qkv_b = bias(ours + "attn.c_attn.bias", 3 * C).view(3, H, D).transpose(0, 1).reshape(3 * C)
         out.update({
-            q + "input_layernorm.weight": sd[p + "ln_1.weight"],
-            q + "input_layernorm.bias": bias(p + "ln_1.bias", C),
-            q + "attention.query_key_value.weight": qkv_w,
-            q + "attention.query_key_value.bias": qkv_b,
-            q + "attention.dense.weight": sd[p + "attn.c_proj.weight"],
-            q + "attention.dense.bias": bias(p + "attn.c_proj.bias", C),
-            q + "post_attention_layernorm.weight": sd[p + "ln_2.weight"],
-            q + "post_attention_layernorm.bias": bias(p + "ln_2.bias", C),
-            q + "mlp.dense_h_to_4h.weight": sd[p + "mlp.c_fc.weight"],
-            q + "mlp.dense_h_to_4h.bias": bias(p + "mlp.c_fc.bias", 4 * C),
-            q + "mlp.dense_4h_to_h.weight": sd[p + "mlp.c_proj.weight"],
-            q + "mlp.dense_4h_to_h.bias": bias(p + "mlp.c_proj.bias", C),
+            theirs + "input_layernorm.weight": state[ours + "ln_1.weight"],
+            theirs + "input_layernorm.bias": bias(ours + "ln_1.bias", C),
+            theirs + "attention.query_key_value.weight": qkv_w,
+            theirs + "attention.query_key_value.bias": qkv_b,
+            theirs + "attention.dense.weight": state[ours + "attn.c_proj.weight"],
+            theirs + "attention.dense.bias": bias(ours + "attn.c_proj.bias", C),
+            theirs + "post_attention_layernorm.weight": state[ours + "ln_2.weight"],
+            theirs + "post_attention_layernorm.bias": bias(ours + "ln_2.bias", C),
+            theirs + "mlp.dense_h_to_4h.weight": state[ours + "mlp.c_fc.weight"],
+            theirs + "mlp.dense_h_to_4h.bias": bias(ours + "mlp.c_fc.bias", 4 * C),
+            theirs + "mlp.dense_4h_to_h.weight": state[ours + "mlp.c_proj.weight"],
+            theirs + "mlp.dense_4h_to_h.bias": bias(ours + "mlp.c_proj.bias", C),
         })
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 

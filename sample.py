@@ -109,7 +109,7 @@ def parse_args(argv):
 
 def read_prompt(start_arg):
     """--start as given, or the file named after FILE: exactly as it is on disk (newline=""
-    keeps CRLF: training keeps "\r" too, so the prompt is the text the model was trained on)."""
+    keeps CRLF: training keeps "\\r" too, so the prompt is the text the model was trained on)."""
     if not start_arg.startswith("FILE:"):
         return start_arg
     path = start_arg[len("FILE:"):]
@@ -124,8 +124,9 @@ def encode_prompt(sp, prompt_text):
     """Prompt text -> token ids; an empty prompt starts a new document."""
     ids = sp.encode(prompt_text)
     if sp.unk_id() in ids:  # byte fallback off (or no byte piece): refuse to guess
-        bad = sorted({ch for ch in prompt_text if sp.unk_id() in sp.encode(ch)})
-        sys.exit(f"error: the tokenizer cannot encode these prompt characters: {''.join(bad)!r}")
+        unencodable = sorted({ch for ch in prompt_text if sp.unk_id() in sp.encode(ch)})
+        sys.exit(f"error: the tokenizer cannot encode these prompt characters: "
+                 f"{''.join(unencodable)!r}")
     if not ids:
         # Every training document follows an end-of-document token, so that is the honest
         # "start of a document" context; BOS never occurs in the training data.
