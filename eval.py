@@ -4,17 +4,23 @@ Measure a trained run on text: loss in nats per token, perplexity, and bits per 
     python eval.py --out_dir=out-small --input=notes.txt
     python eval.py --out_dir=out-small --input=docs/,README.md --json
     python eval.py --out_dir=out-small --split=val
+    python eval.py --out_dir=out-small --input=long.txt --rope_scaling=ntk --rope_factor=4
 
 Nats per token depend on the tokenizer (a bigger vocab puts more text in each token), so runs
 with different vocabularies, or other models, compare only in bits per byte: the total loss in
-bits over the UTF-8 bytes of the text, total_nats / ln 2 / bytes.
+bits over the bytes of the text, total_nats / ln 2 / bytes.
 
-Each input file is one document: it is read after the end-of-document token (the context every
-training document starts from) and every one of its tokens is scored once. Text longer than
-block_size is scored with a sliding window: windows of block_size tokens start every `stride`
-tokens; the first scores all its tokens, each later one only the tokens past the previous
-window, so each of those has at least block_size - stride tokens of context. --split=val
-scores the run's own val.bin (its end-of-document tokens included: loss but no bytes).
+The inputs become documents by the rule prepare applies to a corpus (data/documents.py, the
+same code): a single text file is split into paragraphs at blank lines, several text files
+are a document each, a .jsonl(.gz) record or parquet row is a document (--text_field). Each
+document is read after the end-of-document token (the context every training document starts
+from) and every one of its tokens is scored once. Bytes are every byte of each text file as it
+is on disk (CRLF and the blank lines between paragraphs included), and the UTF-8 bytes of each
+record's text. Text longer than the window is scored with a sliding window: windows of
+block_size tokens (block_size * rope_factor with --rope_scaling) start every `stride` tokens;
+the first scores all its tokens, each later one only the tokens past the previous window, so
+each of those has at least window - stride tokens of context. --split=val scores the run's own
+val.bin (its end-of-document tokens included: loss but no bytes).
 """
 import json as jsonlib
 import math
@@ -28,19 +34,27 @@ import torch.nn.functional as F
 
 from checkpoint import dataset_dir, describe, load_run, pick_device
 from configurator import ConfigError, configure
-from data.common import PrepareError, find_files, tqdm
+from data.dataset import DatasetError, load_meta, open_split
+from data.documents import text_fields, whole_documents
+from data.shared import PrepareError, tqdm
+from data.sources import TEXT_KINDS, file_sources, find_files
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
 input = ""              # text files or folders, comma-separated
 split = ""              # "val" or "train": the run's own tokens instead of --input
-stride = 0              # 0: block_size // 2
+text_field = "text"     # .jsonl / parquet inputs: the field holding a document (a,b: first present)
+stride = 0              # 0: half the window
 batch_size = 8          # windows per forward
 device = "auto"         # auto: cuda if available, else cpu
 dtype = "auto"          # auto: bfloat16 on a CUDA GPU that supports it (else float16), float32 on CPU
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
+rope_scaling = ""       # "" keeps the checkpoint's; none, linear or ntk (RoPE only), as sample.py
+rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is block_size * rope_factor
 json = False            # print one JSON line instead of the table
 # -----------------------------------------------------------------------------------------
+CONFIG_KEYS = ("out_dir", "input", "split", "text_field", "stride", "batch_size", "device",
+               "dtype", "tokenizer", "rope_scaling", "rope_factor", "json")
 
 
 def windows(n, block, stride):
@@ -59,14 +73,16 @@ def windows(n, block, stride):
 @torch.no_grad()
 def score(model, seqs, stride, batch_size):
     """Sum of -log p(token | its window) over every target token of every sequence, in float64,
-    and the number of tokens scored. seqs: 1-d int64 arrays whose first token is context."""
-    block = model.config.block_size
+    and the number of tokens scored. seqs: 1-d int64 arrays whose first token is context. The
+    window is the model's context_window (block_size, times rope_factor when scaled): a full
+    forward grows the rotation tables on demand."""
+    window = model.config.context_window
     dev = next(model.parameters()).device
-    jobs = [(s, w) for s in seqs for w in windows(len(s), block, stride)]
+    jobs = [(s, w) for s in seqs for w in windows(len(s), window, stride)]
     nats, count = 0.0, 0
     bar = tqdm(total=len(jobs), desc="eval", unit="window")
     for i in range(0, len(jobs), batch_size):
-        x = torch.zeros(len(jobs[i:i + batch_size]), block, dtype=torch.long)
+        x = torch.zeros(len(jobs[i:i + batch_size]), window, dtype=torch.long)
         y = torch.full_like(x, -1)  # -1: padding and already-scored targets, ignored
         for row, (s, (start, end, first)) in enumerate(jobs[i:i + batch_size]):
             x[row, :end - start] = torch.from_numpy(s[start:end])
@@ -82,11 +98,40 @@ def score(model, seqs, stride, batch_size):
     return nats, count
 
 
-def main(argv):
-    names = ("out_dir", "input", "split", "stride", "batch_size", "device", "dtype", "tokenizer",
-             "json")
+def read_inputs(paths, field_spec):
+    """The documents of the input files or folders, by prepare's own rule, and the bytes they
+    are measured against: (texts, bytes, a short description of the input)."""
+    sources = file_sources(find_files(paths))
+    if not sources:
+        raise PrepareError(f"no files found in {','.join(paths)}")
+    # A text file counts every byte on disk (its CRLFs, the blank lines between paragraphs);
+    # a record, the UTF-8 bytes of its text (not the JSON or parquet around it).
+    nbytes = sum(os.path.getsize(path) for _, kind, path in sources if kind in TEXT_KINDS)
+    texts = []
+    for source_index, text in whole_documents(sources, text_fields(field_spec)):
+        texts.append(text)
+        if sources[source_index][1] not in TEXT_KINDS:
+            nbytes += len(text.encode("utf-8"))
+    names = [name for name, _, _ in sources]
+    return texts, nbytes, ", ".join(names) if len(names) <= 3 else f"{len(names)} files"
+
+
+def own_split(ckpt, split_name):
+    """The run's own val.bin or train.bin, read through data/dataset.py's checks."""
+    ddir = dataset_dir(ckpt)
+    if not ddir:
+        sys.exit(f"error: the run's dataset (val.bin, meta.json) is not found; pass --input "
+                 f"or prepare dataset '{(ckpt.get('tokenizer') or {}).get('dataset')}' again")
     try:
-        cfg = configure({k: globals()[k] for k in names}, argv)
+        ids = np.asarray(open_split(ddir, split_name, load_meta(ddir)))
+    except DatasetError as e:
+        sys.exit(f"error: {e}")
+    return ids, os.path.join(ddir, f"{split_name}.bin")
+
+
+def parse_config(argv):
+    try:
+        cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if bool(cfg["input"]) == bool(cfg["split"]):
@@ -95,29 +140,37 @@ def main(argv):
     if cfg["split"] not in ("", "val", "train"):
         sys.exit(f"error: split must be val or train, got {cfg['split']!r}")
     if cfg["batch_size"] < 1 or cfg["stride"] < 0:
-        sys.exit("error: batch_size must be >= 1 and stride >= 0 (0: block_size // 2)")
+        sys.exit("error: batch_size must be >= 1 and stride >= 0 (0: half the window)")
+    return cfg
+
+
+def report(result, seconds):
+    tokens, nbytes = result["tokens"], result["bytes"]
+    print(f"{result['input']}: {tokens:,} tokens, {nbytes:,} bytes ({nbytes / tokens:.2f} "
+          f"bytes/token); window {result['block_size']}, stride {result['stride']}; "
+          f"{tokens / seconds:,.0f} tok/s")
+    print(f"loss {result['nats_per_token']:.4f} nats/token | perplexity "
+          f"{result['perplexity']:.2f} | {result['bits_per_byte']:.4f} bits/byte")
+
+
+def main(argv):
+    cfg = parse_config(argv)
     dev, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
-    texts = []
     if cfg["input"]:
         try:
-            for name, path in find_files([p for p in cfg["input"].split(",") if p]):
-                with open(path, encoding="utf-8") as f:
-                    texts.append((name, f.read()))
+            texts, nbytes, source = read_inputs([p for p in cfg["input"].split(",") if p],
+                                                cfg["text_field"])
         except PrepareError as e:
             sys.exit(f"error: {e}")
-        except UnicodeDecodeError as e:
-            sys.exit(f"error: {path} is not valid UTF-8 (byte {e.object[e.start]:#04x} at "
-                     f"offset {e.start})")
         except OSError as e:
             sys.exit(f"error: cannot read {e.filename}: {e.strerror}")
-        if not texts:
-            sys.exit(f"error: no files found in {cfg['input']}")
-
-    model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"])
-    block = model.config.block_size
-    step = cfg["stride"] or max(1, block // 2)
-    if step > block:
-        sys.exit(f"error: stride {step} is larger than block_size {block}: tokens would be skipped")
+    model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
+                               cfg["rope_scaling"], cfg["rope_factor"])
+    window = model.config.context_window
+    stride = cfg["stride"] or max(1, window // 2)
+    if stride > window:
+        sys.exit(f"error: stride {stride} is larger than the window {window}: tokens would be "
+                 f"skipped")
     eos = sp.eos_id()
     if eos < 0:
         sys.exit("error: the tokenizer has no end-of-document piece (eos_id) to start a text from")
@@ -126,38 +179,25 @@ def main(argv):
 
     # every sequence starts with the end-of-document token: context only, never scored
     if cfg["split"]:
-        ddir = dataset_dir(ckpt)
-        if not ddir:
-            sys.exit(f"error: the run's dataset (val.bin, meta.json) is not found; pass --input "
-                     f"or prepare dataset '{(ckpt.get('tokenizer') or {}).get('dataset')}' again")
-        with open(os.path.join(ddir, "meta.json")) as f:
-            data_dtype = jsonlib.load(f)["dtype"]
-        ids = np.fromfile(os.path.join(ddir, f"{cfg['split']}.bin"), dtype=data_dtype)
+        ids, source = own_split(ckpt, cfg["split"])
         seqs = [np.concatenate(([eos], ids)).astype(np.int64)]
         nbytes = len(sp.decode(ids.tolist()).encode("utf-8"))
-        source = os.path.join(ddir, f"{cfg['split']}.bin")
     else:
-        seqs = [np.array([eos] + sp.encode(t), dtype=np.int64) for _, t in texts]
-        nbytes = sum(len(t.encode("utf-8")) for _, t in texts)
-        source = ", ".join(n for n, _ in texts) if len(texts) <= 3 else f"{len(texts)} files"
+        seqs = [np.array([eos] + sp.encode(t), dtype=np.int64) for t in texts]
     if sum(len(s) - 1 for s in seqs) == 0:
         sys.exit("error: the input is empty: no tokens to score")
 
     t0 = time.perf_counter()
-    nats, count = score(model, seqs, step, cfg["batch_size"])
-    secs = time.perf_counter() - t0
+    nats, count = score(model, seqs, stride, cfg["batch_size"])
     result = {"out_dir": cfg["out_dir"], "input": source, "tokens": count, "bytes": nbytes,
               "nats_per_token": nats / count, "perplexity": math.exp(nats / count),
               "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-              "block_size": block, "stride": step, "iter_num": ckpt.get("iter_num"),
+              "block_size": window, "stride": stride, "iter_num": ckpt.get("iter_num"),
               "dtype": cfg["dtype"]}
     if cfg["json"]:
         print(jsonlib.dumps(result))
-        return result
-    print(f"{source}: {count:,} tokens, {nbytes:,} bytes ({nbytes / count:.2f} bytes/token); "
-          f"window {block}, stride {step}; {count / secs:,.0f} tok/s")
-    print(f"loss {result['nats_per_token']:.4f} nats/token | perplexity "
-          f"{result['perplexity']:.2f} | {result['bits_per_byte']:.4f} bits/byte")
+    else:
+        report(result, time.perf_counter() - t0)
     return result
 
 

@@ -19,7 +19,7 @@ import sentencepiece as spm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from data import common  # noqa: E402
+from data import common, documents, shared, workers  # noqa: E402
 
 OUTPUTS = ["train.bin", "val.bin", "tokenizer.model", "meta.json"]
 
@@ -166,7 +166,7 @@ def test_round_trip_and_byte_fallback(tmp_path, model_type):
     for s in ROUND_TRIP:
         ids = sp.encode(s)
         assert sp.decode(ids) == s, (model_type, s)
-        assert common.UNK_ID not in ids, "byte fallback: nothing maps to unknown"
+        assert shared.UNK_ID not in ids, "byte fallback: nothing maps to unknown"
     # Characters the training text never had come out as their UTF-8 bytes, one piece each.
     unseen = "漢字😀ß"
     ids = sp.encode(unseen)
@@ -182,8 +182,8 @@ def test_the_one_exception_u2581_decodes_as_space_and_is_reported(prepared, tmp_
     sp = spm.SentencePieceProcessor(model_file=str(root / "out" / "tokenizer.model"))
     assert sp.decode(sp.encode("a\u2581b")) == "a b"
     logged = []
-    sources = mem_sources(texts.values()) + mem_sources(["x\u2581y " * 50], "odd")
-    common.prepare(str(tmp_path / "o"), "t", sources, "test", vocab_size=400, min_val_tokens=50,
+    inputs = mem_sources(texts.values()) + mem_sources(["x\u2581y " * 50], "odd")
+    common.prepare(str(tmp_path / "o"), "t", inputs, "test", vocab_size=400, min_val_tokens=50,
                    val_fraction=0.2, log=logged.append)
     assert any("U+2581" in line and "odd" in line for line in logged)
 
@@ -196,7 +196,7 @@ def test_code_whitespace_is_not_normalised(prepared):
     # Runs of spaces may be learned as single pieces (indentation is common in code).
     assert any(set(sp.id_to_piece(i)) == {"\u2581"} and len(sp.id_to_piece(i)) > 1
                for i in range(sp.get_piece_size()))
-    assert sp.piece_to_id("\n") != common.UNK_ID
+    assert sp.piece_to_id("\n") != shared.UNK_ID
 
 
 # ----------------------------------------------------------------------------- the .bin files
@@ -219,10 +219,10 @@ def test_bins_hold_exactly_the_encoded_documents(prepared):
 
 
 def test_dtype_follows_vocab_size():
-    assert common.dtype_for_vocab(256) == "uint16"
-    assert common.dtype_for_vocab(65536) == "uint16"  # ids 0..65535 fit
-    assert common.dtype_for_vocab(65537) == "uint32"
-    assert np.iinfo(common.dtype_for_vocab(65536)).max == 65535
+    assert shared.dtype_for_vocab(256) == "uint16"
+    assert shared.dtype_for_vocab(65536) == "uint16"  # ids 0..65535 fit
+    assert shared.dtype_for_vocab(65537) == "uint32"
+    assert np.iinfo(shared.dtype_for_vocab(65536)).max == 65535
 
 
 def test_rerun_is_identical(prepared, tmp_path):
@@ -279,7 +279,7 @@ def test_single_file_is_split_into_paragraphs(tmp_path):
             cur = []
     if cur:
         ref.append("\n".join(cur))
-    assert common.split_paragraphs(text) == ref == paras
+    assert documents.split_paragraphs(text) == ref == paras
 
     out = tmp_path / "out"
     load_script("text").main(["--input", str(tmp_path / "one.txt"), "--out_dir", str(out),
@@ -431,12 +431,12 @@ def test_stdlib_subset_prepares(tmp_path):
     """The default pipeline end to end on a slice of the stdlib (the full corpus is for
     bench/prepare.py): code round-trips exactly through the .bin files."""
     mod = load_script("pystdlib")
-    sources, _ = mod.stdlib_sources()
-    sources = [s for s in sources if s[0].startswith(("stdlib/json/", "stdlib/a"))]
-    meta = common.prepare(str(tmp_path / "o"), "pystdlib", sources, "subset", vocab_size=1024,
+    inputs, _ = mod.stdlib_sources()
+    inputs = [s for s in inputs if s[0].startswith(("stdlib/json/", "stdlib/a"))]
+    meta = common.prepare(str(tmp_path / "o"), "pystdlib", inputs, "subset", vocab_size=1024,
                           min_val_tokens=500, undecodable="skip", log=lambda *a: None)
     texts = []
-    for _, _, path in sources:
+    for _, _, path in inputs:
         with open(path, encoding="utf-8") as f:
             texts.append(f.read())
     check_split(tmp_path / "o", texts, meta)
@@ -483,9 +483,9 @@ def test_mixed_formats_and_long_documents_in_pieces(tmp_path, monkeypatch):
     """Text files, jsonl, gzip and parquet in one corpus, in the order given; tiny batch and
     piece sizes, so documents are encoded in many pieces cut at line ends (and one long
     line cut before a space) across many batches: still each document encoded whole."""
-    monkeypatch.setattr(common, "TASK_CHARS", 3000)
-    monkeypatch.setattr(common, "PIECE_CHARS", 700)
-    monkeypatch.setattr(common, "UNIT_CHARS", 500)
+    monkeypatch.setattr(documents, "TASK_CHARS", 3000)
+    monkeypatch.setattr(documents, "PIECE_CHARS", 700)
+    monkeypatch.setattr(workers, "UNIT_CHARS", 500)
     texts = list(make_corpus(tmp_path / "txt", n_files=4, seed=5).values())
     long_line = " ".join(WORDS * 5)  # no newline at all, longer than a piece
     (tmp_path / "txt" / "doc99.txt").write_text(long_line, encoding="utf-8")
@@ -513,7 +513,7 @@ def test_num_proc_1_and_2_give_the_same_bytes(tmp_path):
     paras = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
              for _ in range(20000)]
     (tmp_path / "big.txt").write_text("\n\n".join(paras), encoding="utf-8")
-    assert (tmp_path / "big.txt").stat().st_size > 2.5 * common.TASK_CHARS
+    assert (tmp_path / "big.txt").stat().st_size > 2.5 * documents.TASK_CHARS
     for n in (1, 2):
         r = run_script("text", "--input", str(tmp_path / "big.txt"), "--out_dir",
                        str(tmp_path / str(n) / "o"), "--vocab_size", "400", "--num_proc", str(n),
@@ -530,7 +530,7 @@ def test_tokenizer_does_not_depend_on_the_machine(tmp_path, monkeypatch, model_t
     texts = list(make_corpus(tmp_path / "c", n_files=10, seed=8).values())
     models = []
     for cores, n in ((1, None), (8, None), (3, 2)):
-        monkeypatch.setattr(common, "default_num_proc", lambda: cores)
+        monkeypatch.setattr(workers, "default_num_proc", lambda: cores)
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         out = tmp_path / f"o{cores}"
         common.prepare(str(out), "t", mem_sources(texts), "test", model_type=model_type,
@@ -663,21 +663,21 @@ def test_streaming_paragraphs_match_the_reference_splitter(monkeypatch):
             k = rng.randint(1, 9)
             blocks.append(text[i:i + k])
             i += k
-        monkeypatch.setattr(common, "PIECE_CHARS", rng.choice([3, 12, 10_000]))
+        monkeypatch.setattr(documents, "PIECE_CHARS", rng.choice([3, 12, 10_000]))
         got, cur = [], []
-        for piece, first, last in common._paragraphs(blocks):
+        for piece, first, last in documents.paragraphs(blocks):
             assert first == (not cur)
             cur.append(piece)
             if last:
                 got.append("".join(cur))
                 cur = []
-        assert got == common.split_paragraphs(text), repr(text)
+        assert got == documents.split_paragraphs(text), repr(text)
 
 
 PEAK_RSS_SCRIPT = r"""
 import os, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-from data import common
+from data import common, sources
 peak = [0]
 def watch():  # the whole process tree's resident memory, sampled
     while True:
@@ -695,7 +695,7 @@ def watch():  # the whole process tree's resident memory, sampled
         time.sleep(0.05)
 threading.Thread(target=watch, daemon=True).start()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-common.prepare(sys.argv[3], "big", common.file_sources([("big.txt", sys.argv[2])]), "test",
+common.prepare(sys.argv[3], "big", sources.file_sources([("big.txt", sys.argv[2])]), "test",
                model_type="char", vocab_size=0, num_proc=int(sys.argv[4]),
                sample_bytes=500_000, log=lambda *a: None)
 print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak[0])
@@ -727,3 +727,193 @@ def test_peak_memory_of_a_200mb_single_file_is_bounded(tmp_path):
     assert meta["source_bytes"] > 190_000_000
     assert peak_self - base < 150e6, (base, peak_self)
     assert peak_tree < 400e6, peak_tree
+
+
+# ----------------------------------------------------------------------------- real corpora
+
+def test_text_field_takes_several_names_first_present_wins(tmp_path):
+    """Shards that disagree on the field (jsonl with `text`, jsonl.gz with `content`,
+    parquet with `text`): --text_field=text,content reads every record; a record with both
+    fields gives its `text`."""
+    recs = list(make_corpus(tmp_path / "r", n_files=9, seed=13).values())
+    a = write_records(tmp_path / "a", recs[:3], "jsonl", field="text")
+    b = write_records(tmp_path / "b", recs[3:6], "jsonl.gz", field="content")
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"content": "not this one", "text": recs[6]}) + "\n",
+                    encoding="utf-8")
+    inputs, expected = [a, b, both], recs[:7]
+    if importlib.util.find_spec("pyarrow"):
+        inputs.append(write_records(tmp_path / "p", recs[7:], "parquet", field="text"))
+        expected = recs
+    out = tmp_path / "out"
+    meta = prepare_folder(inputs, out, "--text_field", "text,content")
+    assert meta["documents"] == len(expected) and meta["text_field"] == "text,content"
+    check_split(out, expected, meta)
+
+
+def test_error_record_without_the_field_names_text_field_first(tmp_path):
+    recs = list(make_corpus(tmp_path / "r", n_files=4).values())
+    lines = [json.dumps({"text": t}) for t in recs] + [json.dumps({"content": "x", "id": 7})]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    r = run_script("text", "--input", str(tmp_path / "in.jsonl"), "--out_dir",
+                   str(tmp_path / "o"), "--vocab_size", "350", "--min_val_tokens", "20")
+    assert_fails(r, "line 5", "has no field 'text'", "content, id", "--text_field",
+                 "--undecodable=skip")
+    msg = r.stderr
+    assert msg.index("--text_field") < msg.index("--undecodable=skip")
+    assert not (tmp_path / "o").exists()
+
+
+def test_error_a_file_without_the_field_even_under_skip(tmp_path):
+    """--undecodable=skip leaves out a bad record, not a whole shard that names its field
+    differently: that is a --text_field mistake, and silently dropping the shard is worse."""
+    recs = list(make_corpus(tmp_path / "r", n_files=6).values())
+    good = write_records(tmp_path / "a", recs[:3], "jsonl", field="text")
+    other = write_records(tmp_path / "b", recs[3:], "jsonl.gz", field="content")
+    base = ["--out_dir", str(tmp_path / "o"), "--vocab_size", "350", "--min_val_tokens", "20",
+            "--undecodable", "skip"]
+    r = run_script("text", "--input", str(good), str(other), *base)
+    assert_fails(r, str(other), "none of its records", "'text'", "--text_field")
+    assert not (tmp_path / "o").exists()
+    r = run_script("text", "--input", str(good), str(other), *base, "--text_field", "text,content")
+    assert r.returncode == 0, r.stderr
+
+
+def test_out_dir_name_is_where_train_py_looks(tmp_path, monkeypatch):
+    """--out_dir NAME writes data/NAME next to train.py (where --dataset=NAME reads) from any
+    current folder; a path with a slash or an absolute one is taken as given. (DATA_DIR is
+    moved under tmp_path here so the test writes nothing into the repo.)"""
+    assert common.DATA_DIR == os.path.join(REPO, "data")
+    assert os.path.isfile(os.path.join(os.path.dirname(common.DATA_DIR), "train.py"))
+    make_corpus(tmp_path / "c", n_files=4)
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path / "repo_data"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    args = ["--input", str(tmp_path / "c"), "--vocab_size", "350", "--min_val_tokens", "20"]
+    text_prepare = load_script("text")
+    text_prepare.main(args + ["--out_dir", "mycorpus"])
+    assert (tmp_path / "repo_data" / "mycorpus" / "meta.json").exists()
+    assert not (elsewhere / "mycorpus").exists()
+    text_prepare.main(args + ["--out_dir", "./here"])
+    assert (elsewhere / "here" / "meta.json").exists()
+    text_prepare.main(args + ["--out_dir", str(tmp_path / "abs")])
+    assert (tmp_path / "abs" / "meta.json").exists()
+    for name in ("text", "pystdlib", "shakespeare"):
+        r = run_script(name, "--help")
+        assert "--data_dir" in r.stdout and "data/NAME" in r.stdout, (name, r.stdout)
+
+
+def test_log_says_how_many_workers_ran(tmp_path):
+    """One batch of work with --num_proc 3: one worker encoded it, and the log says so."""
+    texts = list(make_corpus(tmp_path / "c", n_files=4).values())
+    for num_proc in (3, 1):
+        logged = []
+        common.prepare(str(tmp_path / f"o{num_proc}"), "t", mem_sources(texts), "test",
+                       vocab_size=350, min_val_tokens=20, num_proc=num_proc, log=logged.append)
+        assert "with 1 worker process " in logged[-1], logged[-1]
+
+
+def test_full_disk_during_prepare_leaves_nothing_partial(prepared, tmp_path):
+    """A write that fails half way (the file size limit stands in for a full disk): one
+    `error:` line, no temp file left, the dataset already in the folder unchanged, and no
+    folder at all where there was none."""
+    root, texts, _ = prepared
+    out = tmp_path / "out"
+    prepare_folder(root / "mycorpus", out)
+    before = {fn: (out / fn).read_bytes() for fn in OUTPUTS}
+    make_corpus(tmp_path / "other", n_files=8, seed=21)
+    limit = 2000  # bytes: the encoding pass's token file passes it
+    assert os.path.getsize(out / "train.bin") > 2 * limit
+
+    resource = pytest.importorskip("resource")
+
+    def limited():  # in the child: files may not grow past `limit` bytes
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    # SIGXFSZ ignored, so the write fails with EFBIG (as a full disk fails with ENOSPC)
+    # instead of the signal killing the process.
+    for target in (out, tmp_path / "fresh"):
+        r = subprocess.run(
+            [sys.executable, "-c", "import signal, runpy, sys; "
+             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); sys.argv = sys.argv[1:]; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')",
+             os.path.join(REPO, "data", "text", "prepare.py"), "--input", str(tmp_path / "other"),
+             "--out_dir", str(target), "--vocab_size", "400", "--min_val_tokens", "50",
+             "--val_fraction", "0.2"],
+            capture_output=True, text=True, cwd=REPO, timeout=120, preexec_fn=limited)
+        assert_fails(r, "cannot write the dataset", str(target), "File too large")
+    assert sorted(os.listdir(out)) == sorted(OUTPUTS + ["tokenizer.vocab"])
+    assert {fn: (out / fn).read_bytes() for fn in OUTPUTS} == before
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_outputs_are_fsynced_before_their_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A rename is durable across a power loss only if the file's data reached the disk
+    before it, and the rename itself only once the folder is synced."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc to name an fd")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(src)))
+        return real_replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    texts = list(make_corpus(tmp_path / "c", n_files=4).values())
+    out = tmp_path / "out"
+    common.prepare(str(out), "t", mem_sources(texts), "test", vocab_size=350,
+                   min_val_tokens=20, num_proc=1, log=lambda *a: None)
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
+    assert len(renames) == len(OUTPUTS) + 1  # each output (tokenizer.vocab included)
+    for i in renames:
+        tmp = events[i][1]
+        assert ("fsync", tmp) in events[:i], f"{tmp} renamed before it was fsynced"
+    assert ("fsync", os.path.realpath(out)) in events[renames[-1]:]
+
+
+# ----------------------------------------------------------------------------- reading a split
+
+def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
+    """data/dataset.py, the reader train/eval/export share: a .bin whose size disagrees with
+    meta.json (truncated, empty, read with another dtype) and a meta.json that is not JSON
+    are one line naming the file, never a silently shorter corpus."""
+    import shutil
+    from data.dataset import DatasetError, load_meta, open_split
+    root, _, meta = prepared
+    ddir = tmp_path / "d"
+    shutil.copytree(root / "out", ddir)
+    ok = open_split(str(ddir), "train")
+    assert len(ok) == meta["train_tokens"] and ok.dtype == np.dtype(meta["dtype"])
+    full = (ddir / "train.bin").read_bytes()
+
+    (ddir / "train.bin").write_bytes(full[:len(full) // 2])
+    with pytest.raises(DatasetError) as e:
+        open_split(str(ddir), "train")
+    msg = str(e.value)
+    assert "\n" not in msg and str(ddir / "train.bin") in msg
+    assert f"{len(full) // 2:,}" in msg and f"{len(full):,}" in msg  # both sizes
+
+    (ddir / "train.bin").write_bytes(b"")
+    meta_empty = dict(meta, train_tokens=0)
+    with pytest.raises(DatasetError, match="is empty"):
+        open_split(str(ddir), "train", meta_empty)
+
+    (ddir / "train.bin").write_bytes(full)
+    with pytest.raises(DatasetError, match="uint32") as e:
+        open_split(str(ddir), "train", dict(meta, dtype="uint32"))  # 2-byte tokens read as 4
+    assert f"{len(full):,}" in str(e.value) and f"{len(full) * 2:,}" in str(e.value)
+    odd = dict(meta, dtype="uint32")
+    del odd["train_tokens"]  # no count recorded: the size must still be whole tokens
+    (ddir / "train.bin").write_bytes(full[:-2] if len(full) % 4 == 0 else full)
+    with pytest.raises(DatasetError, match="whole number"):
+        open_split(str(ddir), "train", odd)
+
+    (ddir / "meta.json").write_text('{"vocab_size": 400, "dtype": ')
+    with pytest.raises(DatasetError, match="not valid JSON") as e:
+        load_meta(str(ddir))
+    assert str(ddir / "meta.json") in str(e.value) and "\n" not in str(e.value)

@@ -223,3 +223,122 @@ def test_loader_errors(run, tmp_path):
     lines = [t for _, t in corpus_docs(4, seed=3)]
     other.write_bytes(common.train_tokenizer(lines, 350, "bpe")[0])
     assert "does not match" in err(f"--out_dir={run['out']}", *a, f"--tokenizer={other}")
+
+
+# --- the window, the bytes and the documents (issue 20) --------------------------------------
+
+def load_model(run, **overrides):
+    ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
+    model = RoFormer(RoFormerConfig(**dict(ckpt["model_args"], **overrides))).eval()
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+def reference_nats(model, sp, docs, block, stride):
+    """Each document after an end-of-document token, every target scored alone (naive_nats)."""
+    with torch.no_grad():
+        return sum(naive_nats(lambda ctx: model(torch.tensor([ctx]))[0][0, -1],
+                              [sp.eos_id()] + sp.encode(d), block, stride) for d in docs)
+
+
+@pytest.mark.parametrize("scaling", ["linear", "ntk"])
+def test_rope_scaling_widens_the_scoring_window(run, capsys, scaling):
+    """--rope_scaling/--rope_factor as in sample.py: windows of block_size * factor tokens on
+    the scaled model, and --json reports that window as block_size."""
+    files = [run["root"] / "long.txt", run["root"] / "short.txt"]
+    r = json_eval(capsys, f"--out_dir={run['out']}", f"--input={files[0]},{files[1]}",
+                  f"--rope_scaling={scaling}", "--rope_factor=2", "--batch_size=3")
+    window = 2 * BLOCK
+    assert (r["block_size"], r["stride"]) == (window, window // 2)
+    model = load_model(run, rope_scaling=scaling, rope_factor=2.0)
+    docs = [f.read_text(encoding="utf-8") for f in files]
+    assert len(run["sp"].encode(docs[0])) > 2 * window  # several windows
+    nats = reference_nats(model, run["sp"], docs, window, window // 2)
+    assert r["nats_per_token"] == pytest.approx(nats / r["tokens"], rel=1e-5)
+
+
+def test_bytes_are_the_files_bytes_crlf_kept(run, capsys, tmp_path):
+    """A CRLF file is scored as it is on disk: its \\r tokens scored, its bytes counted."""
+    docs = [t.replace("\n", "\r\n") for _, t in corpus_docs(2, seed=6)]
+    for i, d in enumerate(docs):
+        (tmp_path / f"crlf{i}.txt").write_bytes(d.encode("utf-8"))
+    r = json_eval(capsys, f"--out_dir={run['out']}", f"--input={tmp_path}")
+    sp = run["sp"]
+    assert r["bytes"] == sum(len(d.encode("utf-8")) for d in docs)
+    assert r["tokens"] == sum(len(sp.encode(d)) for d in docs)
+    nats = reference_nats(run["model"], sp, docs, BLOCK, BLOCK // 2)
+    assert r["bits_per_byte"] == pytest.approx(nats / math.log(2) / r["bytes"], rel=1e-5)
+
+
+def naive_paragraphs(text):
+    """Blank (or whitespace-only) lines end a paragraph: a line walk, not data/'s regex."""
+    paras, cur = [], []
+    for line in text.split("\n"):
+        if line.strip():
+            cur.append(line)
+        elif cur:
+            paras.append("\n".join(cur))
+            cur = []
+    return paras + (["\n".join(cur)] if cur else [])
+
+
+def test_a_file_scores_like_the_folder_of_its_paragraphs(run, capsys, tmp_path):
+    """prepare splits a single text file into paragraphs, each trained after the
+    end-of-document token; eval applies the same rule, so a held-out file and a folder of
+    its paragraphs (one file each) score the same tokens with the same loss, and bits per
+    byte differ only by the blank lines the file also counts (the old rule scored the file
+    as one document, charging the model for separators it never saw in training)."""
+    paras = [t for _, t in corpus_docs(12, seed=7)]
+    seps = ["\n\n", "\n\n\n", "\n  \n"]
+    text = "".join(p + seps[i % 3] for i, p in enumerate(paras))
+    (tmp_path / "held_out.txt").write_text(text, encoding="utf-8", newline="")
+    (tmp_path / "paras").mkdir()
+    for i, p in enumerate(paras):
+        (tmp_path / "paras" / f"p{i:02d}.txt").write_text(p, encoding="utf-8", newline="")
+    a = (f"--out_dir={run['out']}",)
+    one_file = json_eval(capsys, *a, f"--input={tmp_path / 'held_out.txt'}")
+    folder = json_eval(capsys, *a, f"--input={tmp_path / 'paras'}")
+    assert naive_paragraphs(text) == paras
+    nats = reference_nats(run["model"], run["sp"], paras, BLOCK, BLOCK // 2)
+    assert one_file["tokens"] == folder["tokens"] == sum(len(run["sp"].encode(p)) for p in paras)
+    assert one_file["nats_per_token"] * one_file["tokens"] == pytest.approx(nats, rel=1e-5)
+    assert folder["nats_per_token"] == pytest.approx(one_file["nats_per_token"], rel=1e-6)
+    assert one_file["bytes"] == len(text.encode("utf-8"))  # the blank lines too
+    assert folder["bytes"] == sum(len(p.encode("utf-8")) for p in paras)
+    assert one_file["bits_per_byte"] == pytest.approx(folder["bits_per_byte"], rel=0.03)
+    # The old rule, the file as one document, scores the separators as tokens too.
+    whole = reference_nats(run["model"], run["sp"], [text], BLOCK, BLOCK // 2)
+    assert len(run["sp"].encode(text)) > one_file["tokens"] and whole > nats
+
+
+def test_records_are_documents_as_in_prepare(run, capsys, tmp_path):
+    """A .jsonl input: each record's --text_field (first present of several) is a document;
+    the bytes are its text's, not the JSON's."""
+    docs = [t for _, t in corpus_docs(3, seed=8)]
+    lines = [json.dumps({"body": docs[0]}), json.dumps({"text": docs[1], "body": "not this"}),
+             json.dumps({"text": docs[2]})]
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    r = json_eval(capsys, f"--out_dir={run['out']}", f"--input={tmp_path / 'r.jsonl'}",
+                  "--text_field=text,body")
+    assert r["bytes"] == sum(len(d.encode("utf-8")) for d in docs)
+    nats = reference_nats(run["model"], run["sp"], docs, BLOCK, BLOCK // 2)
+    assert r["nats_per_token"] * r["tokens"] == pytest.approx(nats, rel=1e-5)
+    assert "has no field 'title'" in err(f"--out_dir={run['out']}",
+                                         f"--input={tmp_path / 'r.jsonl'}", "--text_field=title")
+
+
+def test_split_is_read_through_the_dataset_checks(run, tmp_path):
+    """--split=val reads val.bin through data/dataset.py: a truncated one is one line naming
+    the file and both sizes, not a silently shorter score."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(run["data"], data)
+    full = (data / "val.bin").read_bytes()
+    (data / "val.bin").write_bytes(full[:len(full) // 2])
+    ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
+    ckpt["tokenizer"] = dict(ckpt["tokenizer"], data_dir=str(data))
+    (tmp_path / "out").mkdir()
+    torch.save(ckpt, tmp_path / "out" / "ckpt.pt")
+    msg = err(f"--out_dir={tmp_path / 'out'}", "--split=val")
+    assert str(data / "val.bin") in msg
+    assert f"{len(full) // 2:,}" in msg and f"{len(full):,}" in msg

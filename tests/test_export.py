@@ -228,7 +228,8 @@ def test_char_tokenizer_and_unigram_refusal(run, tmp_path):
 # --- eval.py and the exported model agree on bits per byte -----------------------------------
 
 def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
-    text = "\n\n".join(t for _, t in corpus_docs(6, seed=4))
+    # one paragraph (no blank line): eval.py splits a single file at blank lines, as prepare does
+    text = "\n".join(t for _, t in corpus_docs(6, seed=4))
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")
     capsys.readouterr()
     evalpy.main([f"--out_dir={run['out']}", f"--input={tmp_path / 't.txt'}", "--json"])

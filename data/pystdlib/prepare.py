@@ -2,7 +2,7 @@
 text CPython ships in pydoc_data.topics. Every Python install has it, so training needs no
 download. Deterministic: documents are sorted by their path relative to the stdlib folder.
 
-    python data/pystdlib/prepare.py [--vocab_size 4096] [--out_dir data/pystdlib]
+    python data/pystdlib/prepare.py [--vocab_size 4096] [--out_dir pystdlib]
 """
 import argparse
 import os
@@ -12,8 +12,6 @@ import sysconfig
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from data import common  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 # Folders inside the stdlib that are not the stdlib: installed packages and bytecode caches.
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -49,14 +47,15 @@ def pydoc_topics():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out_dir", default=HERE)
+    p.add_argument("--out_dir", default="pystdlib",
+                   help=f"default: data/pystdlib; {common.OUT_DIR_HELP}")
     p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char"])
     common.add_arguments(p)
     args = p.parse_args(argv)
 
     def body(_):
         sources, source = stdlib_sources()
-        return common.prepare(args.out_dir, "pystdlib", sources, source,
+        return common.prepare(common.resolve_out_dir(args.out_dir), "pystdlib", sources, source,
                               model_type=args.model_type, undecodable="skip",
                               **common.prepare_options(args))
     return common.run(body, argv)

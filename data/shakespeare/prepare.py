@@ -6,7 +6,7 @@ data/shakespeare_char/ so results can be set beside nanoGPT's shakespeare_char.
 
 The file is split into documents at blank lines (each speech is a document), so train and
 val share no speech, but for the one or two the exact validation budget cuts between them
-(data/common.py split_tokens). nanoGPT instead cuts the text at 90% of its length, so losses are close to
+(data/split.py). nanoGPT instead cuts the text at 90% of its length, so losses are close to
 comparable but not identical (ours also predicts an end-of-document token per speech).
 """
 import argparse
@@ -17,6 +17,8 @@ import urllib.request
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from data import common  # noqa: E402
+from data.shared import PrepareError  # noqa: E402
+from data.sources import file_sources, find_files  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -35,8 +37,8 @@ def download(path, timeout):
         if os.path.exists(tmp):
             os.remove(tmp)
         reason = getattr(e, "reason", e)
-        raise common.PrepareError(f"could not download tiny Shakespeare ({reason}); "
-                                  f"pass --input PATH with a local copy of it")
+        raise PrepareError(f"could not download tiny Shakespeare ({reason}); "
+                           f"pass --input PATH with a local copy of it")
 
 
 def main(argv=None):
@@ -45,7 +47,8 @@ def main(argv=None):
                    help="a local copy; default: data/shakespeare/input.txt, downloaded if missing")
     p.add_argument("--char", action="store_true", help="character-level tokenizer")
     p.add_argument("--out_dir", default=None,
-                   help="default: data/shakespeare, or data/shakespeare_char with --char")
+                   help=f"default: data/shakespeare, or data/shakespeare_char with --char; "
+                        f"{common.OUT_DIR_HELP}")
     common.add_arguments(p, vocab_size=2048, val_fraction=0.1)
     p.add_argument("--timeout", type=float, default=10.0, help="download timeout, seconds")
     args = p.parse_args(argv)
@@ -57,11 +60,11 @@ def main(argv=None):
             if not os.path.exists(path):
                 download(path, args.timeout)
         name = "shakespeare_char" if args.char else "shakespeare"
-        out_dir = args.out_dir or os.path.join(os.path.dirname(HERE), name)
+        out_dir = common.resolve_out_dir(args.out_dir or name)
         options = common.prepare_options(args)
         if args.char:
             options["vocab_size"] = 0  # every character seen + the byte pieces
-        return common.prepare(out_dir, name, common.file_sources(common.find_files([path])),
+        return common.prepare(out_dir, name, file_sources(find_files([path])),
                               os.path.abspath(path), model_type="char" if args.char else "bpe",
                               **options)
     return common.run(body, argv)

@@ -1,14 +1,19 @@
 """Your own corpus: text files and folders, .jsonl / .jsonl.gz, .parquet (mixed freely)
 -> data/<out_dir>/{train,val}.bin, tokenizer.model, meta.json.
 
-    python data/text/prepare.py --input notes/ book.txt --out_dir data/mytext --vocab_size 8000
-    python data/text/prepare.py --input shards/ --out_dir data/web --val_tokens 5000000
+    python data/text/prepare.py --input notes/ book.txt --out_dir mytext --vocab_size 8000
+    python data/text/prepare.py --input shards/ --out_dir web --val_tokens 5000000
+    python data/text/prepare.py --input shards/ --out_dir /big/web   # train.py --data_dir=/big/web
 
-The kind of a file comes from its name: .jsonl and .jsonl.gz hold one JSON object per line,
-the document in the field --text_field (default "text"); .parquet files (read with pyarrow,
-an optional dependency) hold it in the column --text_field; any other file is UTF-8 text and
-one document (folders are read recursively in sorted order; hidden entries and __pycache__
-are left out). A corpus of a single text file is split into documents at blank lines.
+--out_dir NAME writes data/NAME next to train.py (train.py --dataset=NAME reads it) from any
+folder; a path (absolute, or with a slash) is taken as given, and train.py reads a corpus kept
+outside data/ with --data_dir=PATH. The kind of a file comes from its name: .jsonl and
+.jsonl.gz hold one JSON object per line, the document in the field --text_field (default
+"text"; several names, e.g. text,content: the first one a record has); .parquet files (read
+with pyarrow, an optional dependency) hold it in the first of those columns they have; any
+other file is UTF-8 text and one document (folders are read recursively in sorted order;
+hidden entries and __pycache__ are left out). A corpus of a single text file is split into
+documents at blank lines.
 """
 import argparse
 import os
@@ -17,32 +22,33 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 from data import common  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from data.sources import file_sources, find_files  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or folders")
-    p.add_argument("--out_dir", default=HERE, help="default: data/text")
+    p.add_argument("--out_dir", default="text", help=f"default: data/text; {common.OUT_DIR_HELP}")
     p.add_argument("--ext", nargs="*", default=None, metavar="EXT",
                    help="only files in folders whose names end so (e.g. .py .jsonl.gz); "
                         "default: all")
     p.add_argument("--text_field", default="text",
-                   help="the JSON field / parquet column that holds a document")
+                   help="the JSON field / parquet column that holds a document; several names, "
+                        "comma-separated (text,content): the first one a record has")
     p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char"])
     p.add_argument("--undecodable", default="fail", choices=["fail", "skip"],
                    help="a text file that is not UTF-8, or a JSON/parquet record without a "
-                        "string --text_field, stops the run (fail) or is left out (skip)")
+                        "string --text_field, stops the run (fail) or is left out (skip); a "
+                        "file none of whose records has the field stops it either way")
     common.add_arguments(p, vocab_size=None)
     args = p.parse_args(argv)
 
     def body(_):
-        sources = common.file_sources(common.find_files(args.input, args.ext))
+        sources = file_sources(find_files(args.input, args.ext))
         options = common.prepare_options(args)
         if options["vocab_size"] is None:  # 0: sized by the characters seen
             options["vocab_size"] = 0 if args.model_type == "char" else 4096
-        out_dir = os.path.abspath(args.out_dir)
+        out_dir = common.resolve_out_dir(args.out_dir)
         return common.prepare(out_dir, os.path.basename(out_dir), sources,
                               " ".join(os.path.abspath(x) for x in args.input),
                               model_type=args.model_type, text_field=args.text_field,

@@ -1,0 +1,113 @@
+"""Stage 3: the tokenizer. Its training sample, drawn while the corpus streams past (the
+units with the smallest seeded keys that fit in sample_bytes, so it depends neither on the
+order the units arrive in nor on how they were batched), and sentencepiece trained on it with
+the settings every dataset of this repo shares (export.py relies on them)."""
+import heapq
+import io
+import re
+
+from data.shared import BOS_ID, EOS_ID, UNK_ID, PrepareError
+
+# sentencepiece's trainer records its thread count in the model and unigram's EM sums over
+# one partition of the sentences per thread, so the count must not come from the machine.
+TRAINER_THREADS = 16
+
+
+class TokenizerSample:
+    """Candidates offered as (key, source index, text): keeps those with the smallest keys
+    while the others alone still fill sample_bytes characters."""
+
+    def __init__(self, sample_bytes):
+        self.sample_bytes = sample_bytes
+        self.heap = []  # max-heap on key: (-key, source index, text)
+        self.size = 0   # characters held
+
+    def cutoff(self):
+        """Keys at or above this can no longer enter the sample (workers drop them early)."""
+        return -self.heap[0][0] if self.size >= self.sample_bytes else 1 << 64
+
+    def offer(self, key, source, text):
+        if self.size >= self.sample_bytes and key >= -self.heap[0][0]:
+            return
+        heapq.heappush(self.heap, (-key, source, text))
+        self.size += len(text)
+        # Drop the largest key while the others alone still fill the sample: it can no
+        # longer be part of the sorted prefix that fits.
+        while self.size - len(self.heap[0][2]) >= self.sample_bytes:
+            self.size -= len(heapq.heappop(self.heap)[2])
+
+    def lines(self, skipped_sources):
+        """The sample's units in key order, the prefix that fits sample_bytes, as the
+        non-blank lines sentencepiece trains on."""
+        lines, size = [], 0
+        for key, si, text in sorted((-k, si, t) for k, si, t in self.heap
+                                    if si not in skipped_sources):
+            if size + len(text) > self.sample_bytes and lines:
+                break
+            size += len(text)
+            lines.extend(line for line in text.split("\n") if line.strip())
+        return lines
+
+
+def train_tokenizer(lines, vocab_size, model_type):
+    """Train sentencepiece on the given lines; returns (model bytes, settings for meta.json)."""
+    import sentencepiece as spm
+
+    if not lines:
+        raise PrepareError("the tokenizer sample is empty (the corpus has no non-blank line)")
+    settings = dict(
+        model_type=model_type,
+        vocab_size=vocab_size,
+        # Every input encodes: characters outside the vocabulary become their UTF-8 bytes.
+        byte_fallback=True,
+        # Code and whitespace pass through unchanged: no NFKC, no squeezing of spaces, no
+        # space added in front of the text. Runs of spaces (indentation) may become pieces.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True,
+        # Numbers as digits: keeps the vocabulary for words, the usual choice for LMs.
+        split_digits=True,
+        # Lines are the training sentences, so "\n" never reaches the trainer; as a fixed
+        # piece it still encodes as one token instead of a byte, and no piece spans it, so
+        # text cut after a newline encodes exactly as the whole (pieces, the split).
+        user_defined_symbols=["\n"],
+        character_coverage=1.0 if model_type == "char" else 0.9999,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+        input_sentence_size=0,  # use the whole sample: it is drawn (and bounded) by us
+        max_sentence_length=1 << 16,
+    )
+    if model_type == "char" and not vocab_size:
+        # Every character of the sample, the 256 byte pieces, unk/bos/eos and "\n".
+        chars = set()
+        for line in lines:
+            chars.update(line)
+        settings["vocab_size"] = len(chars) + 256 + 4
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                       num_threads=TRAINER_THREADS, minloglevel=2, **settings)
+    except RuntimeError as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+        if m:
+            raise PrepareError(f"vocab_size {m.group(1)} is too small for this corpus: its "
+                               f"characters and the special and byte pieces need {m.group(2)}; "
+                               f"pass a larger --vocab_size")
+        m = re.search(r"value <= (\d+)", msg)
+        if "Vocabulary size" in msg:
+            limit = f" (at most {m.group(1)} here)" if m else ""
+            raise PrepareError(f"vocab_size {settings['vocab_size']} is too large for this "
+                               f"corpus{limit}; pass a smaller --vocab_size")
+        raise PrepareError(f"sentencepiece failed: {msg}")
+    settings["user_defined_symbols"] = ["\\n"]  # readable in meta.json
+    settings["trainer_threads"] = TRAINER_THREADS
+    return model.getvalue(), settings
+
+
+def load_tokenizer(model_bytes_or_path):
+    import sentencepiece as spm
+
+    if isinstance(model_bytes_or_path, (bytes, bytearray)):
+        return spm.SentencePieceProcessor(model_proto=bytes(model_bytes_or_path))
+    return spm.SentencePieceProcessor(model_file=model_bytes_or_path)

@@ -1,0 +1,122 @@
+"""Stage 4: the encoding workers. The main process reads the sources (documents.tasks) and
+hands batches to `num_proc` worker processes, at most a few batches ahead, and takes their
+results back in the order it sent them, so memory does not grow with the corpus and the
+output does not depend on the number of workers. Two kinds of work: `scan` (pass 1: validate,
+count, draw tokenizer sample candidates) and `encode` (pass 2: token ids, each document
+finished by the end-of-document id)."""
+import collections
+import itertools
+import multiprocessing
+import os
+
+import numpy as np
+
+from data import documents as docs_stage
+from data.shared import EOS_ID, cut_point, mix64
+from data.tokenizer import load_tokenizer
+
+UNIT_CHARS = 1 << 14      # the tokenizer sample is drawn in units of at most this size
+
+
+def default_num_proc():
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_seconds():
+    """CPU time of this process and of its finished children (the workers), user + system."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return float("nan")
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def ordered_map(fn, jobs, num_proc, initializer=None, initargs=()):
+    """fn over jobs in num_proc worker processes, results in the order of the jobs. At most
+    a few jobs are in flight, so a fast reader cannot queue up the whole corpus in memory."""
+    if num_proc <= 1:
+        if initializer:
+            initializer(*initargs)
+        for job in jobs:
+            yield fn(job)
+        return
+    with multiprocessing.Pool(num_proc, initializer, initargs) as pool:
+        window = collections.deque()
+        for job in jobs:
+            window.append(pool.apply_async(fn, (job,)))
+            if len(window) >= 2 * num_proc + 2:
+                yield window.popleft().get()
+        while window:
+            yield window.popleft().get()
+
+
+# The settings of this worker process (text fields, undecodable, seed; for encoding also the
+# tokenizer and dtype), set once per process by init_worker.
+_worker = {}
+
+
+def init_worker(settings):
+    _worker.clear()
+    _worker.update(settings)
+    if "model" in settings:
+        _worker["sp"] = load_tokenizer(settings["model"])
+
+
+def _batch_documents(kind, name, items, stats):
+    return docs_stage.documents(kind, name, items, _worker["text_fields"],
+                                _worker["undecodable"] == "skip", stats)
+
+
+def _utf8_size(text):
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def scan(job):
+    """Pass 1 on one batch: counts, U+2581 check, and sample candidates with keys < cutoff."""
+    (kind, si, name, items), cutoff = job
+    stats = {"docs": 0, "bytes": 0, "skipped": 0, "no_field": 0, "marker": None, "error": None,
+             "source": si, "pid": os.getpid()}
+    units, locs = [], []
+    for loc, text, first, last in _batch_documents(kind, name, items, stats):
+        stats["docs"] += last
+        stats["bytes"] += _utf8_size(text)
+        if stats["marker"] is None and "\u2581" in text:
+            stats["marker"] = f"{name} at {loc}"
+        sub = 0
+        while text:
+            i = cut_point(text, UNIT_CHARS) if len(text) > UNIT_CHARS else len(text)
+            units.append(text[:i])
+            locs.append((loc << 16) + sub)
+            text, sub = text[i:], sub + 1
+    keys = mix64(mix64(_worker["seed"], si), np.array(locs, dtype=np.uint64)) if units else []
+    stats["sample"] = [(int(k), si, u) for k, u in zip(keys, units) if int(k) < cutoff]
+    return stats
+
+
+def encode(job):
+    """Pass 2 on one batch: the token ids of its documents, each finished by EOS."""
+    kind, si, name, items = job
+    sp, dtype = _worker["sp"], _worker["dtype"]
+    stats = {"docs": 0, "bytes": 0, "skipped": 0, "error": None, "pid": os.getpid()}
+    texts, ends = [], []
+    for loc, text, first, last in _batch_documents(kind, name, items, stats):
+        stats["docs"] += last
+        stats["bytes"] += _utf8_size(text)
+        while len(text) > docs_stage.PIECE_CHARS:  # a long JSON record or parquet value
+            i = cut_point(text, docs_stage.PIECE_CHARS)
+            texts.append(text[:i])
+            ends.append(False)
+            text = text[i:]
+        texts.append(text)
+        ends.append(last)
+    ids = sp.encode(texts) if texts else []
+    for piece, end in zip(ids, ends):
+        if end:
+            piece.append(EOS_ID)
+    flat = itertools.chain.from_iterable(ids)  # iterated in C, not token by token in Python
+    stats["tokens"] = np.fromiter(flat, dtype=dtype, count=sum(map(len, ids)))
+    return stats

@@ -1,0 +1,81 @@
+"""Stage 6: writing. Every output goes to a hidden temp name in the dataset folder and is
+renamed at the end, meta.json last, so a folder with meta.json in it is complete; each temp
+file is fsynced before its rename and the folder after, so the renames are durable across a
+power loss too, not only across a crash. A failure removes the temp files and leaves a
+dataset already in the folder as it was."""
+import json
+import os
+
+from data.shared import OUTPUTS, PrepareError
+
+
+def make_out_dir(out_dir):
+    """Create out_dir if needed and prove it is writable with a probe file.
+    Returns True when this call created the folder (so a failure can remove it again)."""
+    created = not os.path.isdir(out_dir) and not os.path.exists(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        # Temp files of an earlier run that was killed outright (SIGKILL) are of no use.
+        for fn in os.listdir(out_dir):
+            if any(fn.startswith(f".{out}.tmp.") for out in OUTPUTS):
+                os.remove(os.path.join(out_dir, fn))
+        probe = os.path.join(out_dir, f".write-probe.{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        if created and os.path.isdir(out_dir) and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise PrepareError(f"cannot write to output folder {out_dir}: {e.strerror or e}")
+    return created
+
+
+def tmp_names(out_dir):
+    # Hidden and suffixed: nothing reading the folder mistakes them for finished outputs.
+    return {fn: os.path.join(out_dir, f".{fn}.tmp.{os.getpid()}") for fn in OUTPUTS}
+
+
+def write_tokenizer(tmps, model_bytes, sp):
+    """tokenizer.model, and tokenizer.vocab: each piece (repr) and its score, for reading."""
+    with open(tmps["tokenizer.model"], "wb") as f:
+        f.write(model_bytes)
+    with open(tmps["tokenizer.vocab"], "w", encoding="utf-8") as f:
+        for i in range(sp.get_piece_size()):
+            f.write(f"{sp.id_to_piece(i)!r}\t{sp.get_score(i)}\n")
+
+
+def write_meta(tmps, meta):
+    with open(tmps["meta.json"], "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
+def fsync_path(path, directory=False):
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmps, out_dir):
+    """Rename the finished temp files to their names. The old meta.json goes first, so that a
+    crash between the renames never leaves a meta.json beside files from another run."""
+    for path in tmps.values():
+        fsync_path(path)
+    final = {fn: os.path.join(out_dir, fn) for fn in OUTPUTS}
+    if os.path.exists(final["meta.json"]):
+        os.remove(final["meta.json"])
+    for fn in OUTPUTS:
+        os.replace(tmps[fn], final[fn])
+    if hasattr(os, "O_DIRECTORY"):  # no directory fsync on Windows
+        fsync_path(out_dir, directory=True)
+
+
+def remove_partial(tmps, out_dir, created):
+    """After a failure: the temp files go, and the folder too if this run created it."""
+    for path in tmps.values():
+        if os.path.exists(path):
+            os.remove(path)
+    if created and not os.listdir(out_dir):
+        os.rmdir(out_dir)
