@@ -153,7 +153,7 @@ def neox_weights(model, dtype):
 
 def sentencepiece_proto(sp):
     """The tokenizer's pieces and settings (sentencepiece's ModelProto, which needs protobuf),
-    after the checks both formats need. Our settings (data/common.py) make it a plain
+    after the checks both formats need. Our settings (data/tokenizer.py) make it a plain
     byte-fallback BPE: identity normalisation, no dummy prefix, so the only normalisation is
     " " -> "▁"; other settings would need more than that to reproduce."""
     pb = need("sentencepiece.sentencepiece_model_pb2", "protobuf")
@@ -168,13 +168,13 @@ def sentencepiece_proto(sp):
                  "ones); a unigram tokenizer would give different ids on runs of spaces")
     custom = norm.name not in ("identity", "") or norm.add_dummy_prefix or \
         norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix
-    if custom:  # data/common.py never trains these
+    if custom:  # data/tokenizer.py never trains these
         sys.exit(f"error: the tokenizer was trained with normalization {norm.name!r}, "
                  f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
                  f"{norm.remove_extra_whitespaces}; export handles identity/False/False only")
     if not spec.byte_fallback:
         sys.exit("error: the tokenizer has no byte fallback; export reproduces byte-fallback "
-                 "tokenizers only (data/common.py always trains with it)")
+                 "tokenizers only (data/tokenizer.py always trains with it)")
     return m
 
 

@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers", reason="the exported folder i
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 import generate as decoding  # noqa: E402
-from data import common  # noqa: E402
+from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402
                        one_thread)  # noqa: F401 (an autouse fixture)
@@ -214,14 +214,14 @@ def test_char_tokenizer_and_unigram_refusal(run, tmp_path):
     """data/text/prepare.py also trains char tokenizers (shakespeare_char): same checks. A
     unigram one is refused with one line (its ids would differ on runs of spaces)."""
     lines = [l for _, d in corpus_docs() for l in d.split("\n") if l.strip()]
-    sp = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 0, "char")[0])
+    sp = spm.SentencePieceProcessor(model_proto=train_tokenizer(lines, 0, "char")[0])
     path = tmp_path / "hf"
     path.mkdir()
     export.hf_tokenizer(sp).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(export.tokenizer_config(sp, BLOCK)))
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     assert_same_as_sentencepiece(tok, sp, tricky_texts(seed=1, n_random=500))
-    uni = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 330, "unigram")[0])
+    uni = spm.SentencePieceProcessor(model_proto=train_tokenizer(lines, 330, "unigram")[0])
     assert "unigram" in one_line_error(export.hf_tokenizer, uni)
 
 

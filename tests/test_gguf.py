@@ -25,7 +25,7 @@ import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 import generate as decoding  # noqa: E402
 import gguf_export  # noqa: E402
-from data import common  # noqa: E402
+from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import BLOCK, corpus_docs, make_run, one_line_error, one_thread  # noqa: E402,F401
 from test_export import save_run, tricky_texts  # noqa: E402
@@ -110,7 +110,7 @@ def test_metadata_and_vocabulary_read_back(run, kind):
             assert types[i] == gguf.TokenType.CONTROL
         elif sp.is_unknown(i):
             assert types[i] == gguf.TokenType.UNKNOWN
-        elif sp.id_to_piece(i) == "\n":  # the fixed newline piece data/common.py adds
+        elif sp.id_to_piece(i) == "\n":  # the fixed newline piece data/tokenizer.py adds
             assert types[i] == gguf.TokenType.USER_DEFINED
         else:
             assert types[i] == gguf.TokenType.NORMAL
@@ -281,7 +281,7 @@ def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason
 
 def test_unigram_tokenizer_and_bad_arguments_are_refused(run, tmp_path, monkeypatch):
     lines = [l for _, d in corpus_docs() for l in d.split("\n") if l.strip()]
-    uni = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 330, "unigram")[0])
+    uni = spm.SentencePieceProcessor(model_proto=train_tokenizer(lines, 330, "unigram")[0])
     assert "unigram" in one_line_error(export.sentencepiece_proto, uni)
     o = f"--out_dir={run['out']}"
     assert "gguf_type" in err(o, f"--gguf={tmp_path / 'm.gguf'}", "--gguf_type=q4_0")
