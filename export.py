@@ -130,7 +130,8 @@ def neox_weights(model, dtype):
            "embed_out.weight": state["wte.weight"].clone()}
     for i in range(c.n_layer):
         ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
-        qkv_w = state[ours + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1).reshape(3 * C, C)
+        qkv_w = state[ours + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1)
+        qkv_w = qkv_w.reshape(3 * C, C)
         qkv_b = bias(ours + "attn.c_attn.bias", 3 * C).view(3, H, D).transpose(0, 1).reshape(3 * C)
         out.update({
             theirs + "input_layernorm.weight": state[ours + "ln_1.weight"],

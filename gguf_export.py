@@ -43,8 +43,9 @@ def vocabulary(proto, vocab_size):
     to the model's vocab_size (llama.cpp sizes the embedding from the token list)."""
     sp_kind = proto.SentencePiece
     kinds = {sp_kind.NORMAL: gguf.TokenType.NORMAL, sp_kind.UNKNOWN: gguf.TokenType.UNKNOWN,
-             sp_kind.CONTROL: gguf.TokenType.CONTROL, sp_kind.USER_DEFINED: gguf.TokenType.USER_DEFINED,
-             sp_kind.BYTE: gguf.TokenType.BYTE, sp_kind.UNUSED: gguf.TokenType.UNUSED}
+             sp_kind.CONTROL: gguf.TokenType.CONTROL, sp_kind.BYTE: gguf.TokenType.BYTE,
+             sp_kind.USER_DEFINED: gguf.TokenType.USER_DEFINED,
+             sp_kind.UNUSED: gguf.TokenType.UNUSED}
     pieces = [p.piece for p in proto.pieces]
     scores = [float(p.score) for p in proto.pieces]
     types = [int(kinds[p.type]) for p in proto.pieces]

@@ -326,7 +326,8 @@ def test_failed_write_keeps_the_previous_export_and_leaves_no_temp(run, tmp_path
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     with monkeypatch.context() as m:
         m.setattr(os, "fsync", full_disk)
-        msg = err(f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False", "--dtype=float16")
+        msg = err(f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False",
+                  "--dtype=float16")
     assert "No space left" in msg and str(target) in msg
     assert hf_folder_state(target) == before
     assert os.listdir(tmp_path) == ["hf"]

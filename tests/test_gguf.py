@@ -9,7 +9,6 @@ import errno
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
@@ -163,7 +162,8 @@ def test_sizes_half_and_about_a_quarter(run, tmp_path):
     """A wider random model (so the tokenizer's metadata is small beside the weights): f16 is
     about half of f32, q8_0 (34 bytes per 32 weights) about a quarter."""
     args = dict(run["ckpt"]["model_args"], n_embd=128, n_head=4, n_layer=3)
-    out = save_run(tmp_path / "out", run["ckpt"], args, RoFormer(RoFormerConfig(**args)).state_dict())
+    state = RoFormer(RoFormerConfig(**args)).state_dict()
+    out = save_run(tmp_path / "out", run["ckpt"], args, state)
     size = {}
     for kind in TYPES:
         export.main([f"--out_dir={out}", f"--gguf={tmp_path / kind}.gguf", f"--gguf_type={kind}",
@@ -273,7 +273,8 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
                                            ({"pos_encoding": "learned"}, "only through RoPE")])
 def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
-    out = save_run(tmp_path / "out", run["ckpt"], args, RoFormer(RoFormerConfig(**args)).state_dict())
+    state = RoFormer(RoFormerConfig(**args)).state_dict()
+    out = save_run(tmp_path / "out", run["ckpt"], args, state)
     msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'm.gguf'}", "--check=False")
     assert reason in msg and "cannot export" in msg
     assert sorted(os.listdir(tmp_path)) == ["out"]
@@ -313,7 +314,8 @@ def test_full_disk_on_a_real_filesystem(run, tmp_path):
     disk = mount_tmpfs(tmp_path / "disk", "300k")
     try:
         path = disk / "m.gguf"
-        export.main([f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
+        export.main([f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32",
+                     "--check=False"])
         before = path.read_bytes()
         assert len(before) > 150_000  # two do not fit
         msg = err(f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32", "--check=False")
