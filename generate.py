@@ -1,13 +1,14 @@
 """
-Decoding a RoFormer: prefill, the per-token step against the caches, rolling past the context
-window, and sampling. sample.py, eval.py, bench/ and the tests call these functions.
+Decoding a RoFormer: prefill the prompt into the cache, then one token per step against it
+(eager, or one static compiled graph), a sliding window past the context window, and
+sampling. sample.py, eval.py, bench/ and the tests call these functions.
 
     from generate import generate
     out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
 """
 import torch
 
-from model import sample_next  # noqa: F401  (decoding's sampling rule, re-exported here)
+from model import RecurrentState
 
 
 def check_sampling(temperature=1.0, top_k=None, top_p=None):
@@ -20,15 +21,116 @@ def check_sampling(temperature=1.0, top_k=None, top_p=None):
         raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
 
 
-def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                    use_cache=True, generator=None, compile=False):
-    """Yield the next (B, 1) tokens one at a time."""
-    check_sampling(temperature, top_k, top_p)
-    return model.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache,
-                                 generator, compile)
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """(B, V) logits -> (B, 1) tokens. temperature 0 is greedy; top_k keeps the k likeliest
+    tokens; top_p keeps the smallest set whose probability reaches p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already >= p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+
+def check_request(model, idx, max_new_tokens, use_cache, compile):
+    """Raise ValueError (one line) for a generate call that cannot run on this model."""
+    if idx.size(1) == 0:
+        raise ValueError("generate needs at least one prompt token")
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decode step; it needs use_cache=True")
+    bs = model.config.block_size
+    # the last sampled token is never fed back, so its position needs no embedding
+    if use_cache and model.config.pos_encoding == "learned" and \
+            idx.size(1) + max_new_tokens - 1 > bs:
+        raise ValueError(f"learned positions end at block_size={bs}; a {idx.size(1)}-token "
+                         f"prompt and {max_new_tokens} new tokens need use_cache=False")
+
+
+def prefill(model, idx, cache, chunk):
+    """Run the prompt into the cache in chunks of `chunk` tokens (the cache size), so a long
+    prompt costs memory linear in its length; return the last position's (B, V) logits."""
+    for start in range(0, idx.size(1), chunk):
+        logits = model(idx[:, start:start + chunk], cache=cache, start_pos=start)[0]
+    return logits[:, -1]
+
+
+def one_token_step(model, cache, compile, device):
+    """The function called per token once the prefill has allocated every cache tensor:
+    (B, 1) tokens and a (1,) position tensor -> (B, V) logits. Eager, the model's forward;
+    compiled, the same forward traced once into a static graph (the position is data, the
+    cache preallocated), with CUDA graphs on CUDA."""
+    if not compile:
+        return lambda tok, pos: model(tok, cache=cache, start_pos=pos)[0][:, -1]
+    cuda = torch.device(device).type == "cuda"
+    if cuda:  # CUDA graphs replay fixed addresses: the caches are written in place
+        held = [t for pair in cache.state for t in pair] if isinstance(cache, RecurrentState) \
+            else [cache.slot_pos] + cache.keys + cache.values
+        for t in held:
+            torch._dynamo.mark_static_address(t)
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                            mode="reduce-overhead" if cuda else None)
+
+    def step(tok, pos):
+        if cuda:  # a new replay: the last step's logits (already sampled from) may go
+            torch.compiler.cudagraph_mark_step_begin()
+        return forward(tok, cache=cache, start_pos=pos)[0][:, -1]
+    return step
 
 
 @torch.no_grad()
+def cached_tokens(model, idx, max_new_tokens, sampling, generator, compile):
+    """Prefill, then one cached step per token; the position stays on the device, so the
+    host never waits for a step to finish."""
+    total = idx.size(1) + max_new_tokens
+    cache = model.new_cache(total, idx.device)
+    logits = prefill(model, idx, cache, min(total, model.config.context_window))
+    model.pos_tables(total, idx.device)  # the step gathers table entries: they must exist now
+    step = one_token_step(model, cache, compile, idx.device)
+    pos = torch.full((1,), idx.size(1), dtype=torch.long, device=idx.device)
+    for i in range(max_new_tokens):
+        token = sample_next(logits, *sampling, generator=generator)
+        yield token
+        if i + 1 < max_new_tokens:
+            logits = step(token, pos)
+            pos += 1
+
+
+@torch.no_grad()
+def uncached_tokens(model, idx, max_new_tokens, sampling, generator):
+    """The reference loop (nanoGPT's): each step reruns the model from scratch on the last
+    context_window tokens."""
+    seq, window = idx, model.config.context_window
+    for _ in range(max_new_tokens):
+        token = sample_next(model(seq[:, -window:])[0][:, -1], *sampling, generator=generator)
+        yield token
+        seq = torch.cat((seq, token), dim=1)
+
+
+def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                    use_cache=True, generator=None, compile=False):
+    """Yield the next (B, 1) tokens one at a time (arguments are checked now, not at the
+    first token).
+
+    use_cache=True: prefill the prompt, then one token per step against the cache (a
+    rolling window of context_window keys for softmax, the recurrent state for linear
+    attention). use_cache=False: the reference loop, recomputing the last context_window
+    tokens per step. compile=True (cached only): the one-token step runs as one static
+    compiled graph. Sampling stays outside it, so eager and compiled draw the same tokens
+    whenever their logits agree."""
+    check_sampling(temperature, top_k, top_p)
+    check_request(model, idx, max_new_tokens, use_cache, compile)
+    sampling = (temperature, top_k, top_p)
+    if use_cache:
+        return cached_tokens(model, idx, max_new_tokens, sampling, generator, compile)
+    return uncached_tokens(model, idx, max_new_tokens, sampling, generator)
+
+
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
              use_cache=True, generator=None, compile=False):
     """Return idx followed by max_new_tokens sampled tokens, (B, T + new)."""

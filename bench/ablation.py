@@ -394,14 +394,12 @@ def spaced_windows(val, n, length):
 
 def token_losses(model, x, cached=False):
     """Per-token next-token loss of x (B, T+1): (B, T). cached=True runs the same tokens as
-    one chunked prefill against the decoding cache: for softmax attention past block_size
-    this is sliding-window attention (see model.cache_step), for linear attention the
+    one chunked prefill against a decoding cache: for softmax attention past block_size
+    this is sliding-window attention (see model.KVCache), for linear attention the
     recurrent state."""
     inp, tgt = x[:, :-1], x[:, 1:]
     if cached:
-        model.reset_cache(inp.size(1), inp.device)
-        logits = model(inp, start_pos=0)[0]
-        model.reset_cache(1, inp.device)  # drop the buffers
+        logits = model(inp, cache=model.new_cache(inp.size(1), inp.device), start_pos=0)[0]
     else:
         logits = model(inp)[0]
     return F.cross_entropy(logits.float().transpose(1, 2), tgt, reduction="none")
@@ -415,20 +413,27 @@ def keep_sinks(model, n_sink):
     only for one prefill of a whole sequence from an empty cache (where model.py keeps every
     key of the chunk in view and the mask alone decides), which is how token_losses calls it."""
     bs = model.config.block_size
+    new_cache = model.new_cache
 
-    def cache_step(pos, start):  # same signature as RoFormer.cache_step
-        buf = model.slot_pos.numel()
-        if int(model.slot_pos.max()) >= 0 or pos.numel() <= buf:
-            raise RuntimeError("keep_sinks supports one prefill longer than block_size only")
-        kpos = torch.cat((model.slot_pos, pos))  # empty slots (-1), then this chunk's keys
-        d = pos[:, None] - kpos[None, :]  # true distances, also for a relative bias
-        recent = (d >= 0) & (d < bs - n_sink)
-        sink = (d >= 0) & (kpos[None, :] >= 0) & (kpos[None, :] < n_sink)
-        kept = pos[-buf:]
-        model.slot_pos = model.slot_pos.index_put((kept % buf,), kept)
-        return buf, kept % buf, (recent | sink) & (kpos[None, :] >= 0), False, d
+    def sink_cache(total_len, device):
+        cache = new_cache(total_len, device)
 
-    model.cache_step = cache_step  # an instance attribute: this model object only
+        def place(pos, start):  # same signature and results as KVCache.place
+            size = cache.slot_pos.numel()
+            if int(cache.slot_pos.max()) >= 0 or pos.numel() <= size:
+                raise RuntimeError("keep_sinks supports one prefill longer than block_size only")
+            key_pos = torch.cat((cache.slot_pos, pos))  # empty slots (-1), then this chunk's keys
+            d = pos[:, None] - key_pos[None, :]  # true distances, also for a relative bias
+            recent = (d >= 0) & (d < bs - n_sink)
+            sink = (d >= 0) & (key_pos[None, :] >= 0) & (key_pos[None, :] < n_sink)
+            kept = pos[-size:]
+            cache.slot_pos[kept % size] = kept
+            return kept % size, False, d, (recent | sink) & (key_pos[None, :] >= 0)
+
+        cache.place = place  # an instance attribute: this cache object only
+        return cache
+
+    model.new_cache = sink_cache  # an instance attribute: this model object only
     return model
 
 

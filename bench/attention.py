@@ -33,7 +33,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import RELATIVE, Attention, RoFormer, RoFormerConfig, rope_table  # noqa: E402
+from generate import generate  # noqa: E402
+from model import RELATIVE, Attention, Positions, RoFormer, RoFormerConfig, rope_table  # noqa: E402
 
 LENGTHS = "512,1024,2048,4096,8192"
 POSITIONS = ("rope", "learned", "shaw", "t5", "alibi")
@@ -51,12 +52,13 @@ def run_one(attention, pos, N, n_embd, n_head, reps, chunk):
     x = torch.randn(1, N, n_embd, requires_grad=True)
     table = rope_table(torch.arange(N), n_embd // n_head)
     kinds = {"rope": table, "none": None} if pos == "both" else {pos: table if pos == "rope" else None}
+    kinds = {k: Positions(rope, None) for k, rope in kinds.items()}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = {k: [] for k in kinds}
     for i in range(reps + 1):
-        for k, rope in kinds.items():
+        for k, where in kinds.items():
             t0 = time.perf_counter()
-            layer(x, rope).sum().backward()
+            layer(x, where).sum().backward()
             times[k].append(time.perf_counter() - t0)
             layer.zero_grad(set_to_none=True)
             x.grad = None
@@ -79,11 +81,11 @@ def position_step(pos, N, n_embd, n_head):
 
     def step():
         rope = (model.rope_cos[:N], model.rope_sin[:N]) if pos == "rope" else None
-        rel = None
+        where = Positions(rope, None)
         if pos in RELATIVE:
             d = p[:, None] - p[None, :]
-            rel = (model.position_bias(d, d >= 0), d)
-        layer(x, rope, None, rel).sum().backward()
+            where = Positions(rope, model.position_bias(d, d >= 0), d)
+        layer(x, where).sum().backward()
         model.zero_grad(set_to_none=True)
         x.grad = None
     return step
@@ -152,21 +154,21 @@ def decode_speed(new_tokens, reps):
     for pos in POSITIONS:
         torch.manual_seed(0)
         models[pos] = RoFormer(RoFormerConfig(**shape, pos_encoding=pos)).eval()
-        models[pos].generate(torch.zeros(1, 4, dtype=torch.long), 4)  # warm-up
+        generate(models[pos], torch.zeros(1, 4, dtype=torch.long), 4)  # warm-up
     idx = torch.randint(shape["vocab_size"], (1, 16))
     secs = {(p, n): [] for p in POSITIONS for n in (inside, new_tokens)
             if not (p == "learned" and n > inside)}  # learned positions end at block_size
     for _ in range(reps):  # round-robin, so load changes hit every encoding alike
         for pos, n in secs:
             t0 = time.perf_counter()
-            models[pos].generate(idx, n, temperature=0)
+            generate(models[pos], idx, n, temperature=0)
             secs[(pos, n)].append(time.perf_counter() - t0)
     rate = {k: k[1] / min(s) for k, s in secs.items()}
     for pos, m in models.items():
-        m.reset_cache(shape["block_size"], "cpu")
-        m(idx, start_pos=0)  # allocate the cache, then count what one slot (token) holds
-        per_token = sum(t.numel() * t.element_size() for b in m.blocks
-                        for t in b.attn.cache) / m.slot_pos.numel()
+        cache = m.new_cache(shape["block_size"], "cpu")
+        m(idx, cache=cache, start_pos=0)  # allocate the cache, then count what one slot holds
+        per_token = sum(t.numel() * t.element_size() for t in cache.keys + cache.values
+                        ) / cache.slot_pos.numel()
         cells = [f"{rate[(pos, n)]:.1f} | {rate[(pos, n)] / rate[('rope', n)]:.2f}"
                  if (pos, n) in rate else "n/a | n/a" for n in (inside, new_tokens)]
         print(f"| {pos} | {' | '.join(cells)} | {per_token:.0f} |", flush=True)

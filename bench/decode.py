@@ -33,6 +33,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from generate import generate, generate_stream  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def decode_rate(model, batch, a, compile=False, use_cache=True, new_tokens=None)
     summed over the batch: greedy, as sample.py runs it (the stream is consumed on the host)."""
     new = new_tokens or a.new_tokens
     idx = torch.randint(model.config.vocab_size, (batch, a.prompt))
-    stream = model.generate_stream(idx, new, temperature=0, use_cache=use_cache, compile=compile)
+    stream = generate_stream(model, idx, new, temperature=0, use_cache=use_cache, compile=compile)
     next(stream).tolist()
     t0 = time.perf_counter()
     for tok in stream:
@@ -84,20 +85,20 @@ def best_rate(model, batch, a, compile=False, use_cache=True, new_tokens=None):
 def step_latency(model, pos, steps):
     """Median ms of one cached decode step at positions pos .. pos+steps-1 (batch 1), after
     prefilling pos tokens; and the bytes the caches hold at the end."""
-    model.reset_cache(pos + steps, "cpu")
+    cache = model.new_cache(pos + steps, "cpu")
     model.pos_tables(pos + steps, "cpu")
-    tok = model(torch.randint(model.config.vocab_size, (1, pos)), start_pos=0)[0][:, -1:].argmax(-1)
+    prompt = torch.randint(model.config.vocab_size, (1, pos))
+    tok = model(prompt, cache=cache, start_pos=0)[0][:, -1:].argmax(-1)
     p = torch.tensor([pos])
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        tok = model(tok, start_pos=p)[0][:, -1:].argmax(-1)
+        tok = model(tok, cache=cache, start_pos=p)[0][:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
         p += 1
-    held = sum(t.numel() * t.element_size() for b in model.blocks for t in b.attn.cache)
-    model.reset_cache(1, "cpu")
-    for b in model.blocks:
-        b.attn.cache = None
+    held = cache.keys + cache.values if model.config.attention == "softmax" else \
+        [t for state in cache.state for t in state]
+    held = sum(t.numel() * t.element_size() for t in held)
     return 1e3 * statistics.median(times), held
 
 
@@ -217,10 +218,10 @@ def versus_transformers(model, hf, a, all_threads):
         gens = [lambda idx: hf.generate(idx, max_new_tokens=a.new_tokens,
                                         min_new_tokens=a.new_tokens, do_sample=False,
                                         use_cache=True, eos_token_id=None),
-                lambda idx: model.generate(idx, a.new_tokens, temperature=0)]
+                lambda idx: generate(model, idx, a.new_tokens, temperature=0)]
         if a.compile:
-            gens.append(lambda idx: model.generate(idx, a.new_tokens, temperature=0,
-                                                   compile=True))
+            gens.append(lambda idx: generate(model, idx, a.new_tokens, temperature=0,
+                                             compile=True))
         theirs, ours, *comp = generate_rates(gens, a)
         row = f"| {threads} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |"
         if comp:

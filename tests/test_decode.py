@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
+from generate import generate  # noqa: E402
 
 
 def tiny(**kw):
@@ -46,7 +47,7 @@ def test_generate_reads_nothing_back_to_the_host(attention):
     idx = torch.randint(0, 61, (2, 5))
     for kw in [dict(temperature=0), dict(temperature=0.9, top_k=5, top_p=0.8)]:
         with AtenLog() as log:
-            out = m.generate(idx, 20, generator=torch.Generator().manual_seed(0), **kw)
+            out = generate(m, idx, 20, generator=torch.Generator().manual_seed(0), **kw)
         assert out.shape == (2, 25)
         assert "aten._local_scalar_dense" not in log.ops, kw
 
@@ -55,12 +56,13 @@ PEAK_RSS = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 from model import RoFormer, RoFormerConfig
+from generate import generate
 torch.set_num_threads(1)
 torch.manual_seed(0)
 m = RoFormer(RoFormerConfig(vocab_size=61, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval()
-m.generate(torch.randint(0, 61, (1, 8)), 2)  # allocator and lazy init warm
+generate(m, torch.randint(0, 61, (1, 8)), 2)  # allocator and lazy init warm
 idx = torch.randint(0, 61, (1, {prompt}))
-m.generate(idx, 4, temperature=0)
+generate(m, idx, 4, temperature=0)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
 """
 
@@ -87,13 +89,13 @@ def test_long_prompt_chunked_prefill_equals_token_by_token():
     token and the same continuation as feeding the prompt one token at a time."""
     m = tiny()
     idx = torch.randint(0, 61, (2, 28))
-    got = m.generate(idx, 6, temperature=0)
-    m.reset_cache(34, idx.device)
+    got = generate(m, idx, 6, temperature=0)
+    cache = m.new_cache(34, idx.device)
     for t in range(28):
-        logits = m(idx[:, t:t + 1], start_pos=t)[0][:, -1]
+        logits = m(idx[:, t:t + 1], cache=cache, start_pos=t)[0][:, -1]
     seq = [logits.argmax(-1, keepdim=True)]
     for t in range(28, 33):
-        seq.append(m(seq[-1], start_pos=t)[0][:, -1].argmax(-1, keepdim=True))
+        seq.append(m(seq[-1], cache=cache, start_pos=t)[0][:, -1].argmax(-1, keepdim=True))
     assert torch.equal(got[:, 28:], torch.cat(seq, 1))
 
 
@@ -107,16 +109,16 @@ def test_tensor_position_step_equals_int_position_step():
         idx = torch.randint(0, 61, (2, T))
         outs = []
         for as_tensor in (False, True):
-            m.reset_cache(T, idx.device)
-            m.pos_tables(T, idx.device) if pos_encoding in ("rope", "sinusoidal") else None
-            out = [m(idx[:, :3], start_pos=0)[0]]
+            cache = m.new_cache(T, idx.device)
+            m.pos_tables(T, idx.device)
+            out = [m(idx[:, :3], cache=cache, start_pos=0)[0]]
             for t in range(3, T):
                 p = torch.tensor([t]) if as_tensor else t
-                out.append(m(idx[:, t:t + 1], start_pos=p)[0])
+                out.append(m(idx[:, t:t + 1], cache=cache, start_pos=p)[0])
             outs.append(torch.cat(out, 1))
         assert torch.equal(outs[0], outs[1]), pos_encoding
     with pytest.raises(ValueError, match="one token"):
-        m(idx[:, :2], start_pos=torch.tensor([3]))
+        m(idx[:, :2], cache=m.new_cache(8, idx.device), start_pos=torch.tensor([3]))
 
 
 @pytest.mark.slow
@@ -130,13 +132,12 @@ def test_compiled_decode_gives_the_eager_tokens_from_one_graph(attention):
     prompt = torch.randint(0, 61, (2, 5))
     torch._dynamo.reset()
     for kw in [dict(temperature=0), dict(temperature=1.0, top_k=10, top_p=0.9)]:
-        want = m.generate(prompt, 20, generator=torch.Generator().manual_seed(1), **kw)
-        got = m.generate(prompt, 20, generator=torch.Generator().manual_seed(1), compile=True,
-                         **kw)
+        want = generate(m, prompt, 20, generator=torch.Generator().manual_seed(1), **kw)
+        got = generate(m, prompt, 20, generator=torch.Generator().manual_seed(1), compile=True,
+                       **kw)
         assert torch.equal(got, want), kw
     with torch._dynamo.config.patch(error_on_recompile=True):
-        again = m.generate(prompt, 20, temperature=0, compile=True)
-    assert torch.equal(again, m.generate(prompt, 20, temperature=0))
-    assert m.slot_pos is None and all(b.attn.cache is None for b in m.blocks)
+        again = generate(m, prompt, 20, temperature=0, compile=True)
+    assert torch.equal(again, generate(m, prompt, 20, temperature=0))
     with pytest.raises(ValueError, match="use_cache"):
-        m.generate(prompt, 3, compile=True, use_cache=False)
+        generate(m, prompt, 3, compile=True, use_cache=False)

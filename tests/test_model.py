@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from optim import build_optimizer  # noqa: E402
-from model import (RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table,  # noqa
-                   sample_next)
+from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table  # noqa
+from generate import generate, sample_next  # noqa: E402
 
 POS_ENCODINGS = ["rope", "learned", "sinusoidal", "none"]
 KINDS = [("softmax", "elu"), ("linear", "elu"), ("linear", "relu")]
@@ -78,12 +78,16 @@ def reference_forward(model, idx, window=None):
     return ln(x, "ln_f") @ W["wte.weight"].T
 
 
-def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6):
-    """RoFormer eq. 19, causal, one position at a time, float64."""
+def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6, guard=0.25):
+    """RoFormer eq. 19, causal, one position at a time, float64, with the model's guard on the
+    denominator (guard=0: eq. 19 as printed): max(den, guard * bound), where bound =
+    sum_n sum_pairs (a_i + a_i+h)(b_i + b_i+h) >= |every numerator weight|, a = phi(q_m),
+    b = phi(k_n), h = D/2. Without rotation there is no guard."""
     q, k, v = q.double(), k.double(), v.double()
     phi = (lambda t: F.elu(t) + 1) if feature_map == "elu" else F.relu
     fq, fk = phi(q), phi(k)
     T, D = q.size(2), q.size(3)
+    h = D // 2
     Rs = [rotation_matrix(m, D, base) if rope else torch.eye(D, dtype=torch.float64)
           for m in range(T)]
     rq = torch.stack([fq[:, :, m] @ Rs[m].T for m in range(T)], 2)
@@ -92,17 +96,30 @@ def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6):
     for m in range(T):
         w = (rq[:, :, m:m + 1] * rk[:, :, :m + 1]).sum(-1)          # (B, H, m+1)
         den = (fq[:, :, m:m + 1] * fk[:, :, :m + 1]).sum(-1).sum(-1)  # (B, H)
+        a, b = fq[:, :, m:m + 1], fk[:, :, :m + 1]
+        bound = ((a[..., :h] + a[..., h:]) * (b[..., :h] + b[..., h:])).sum(-1).sum(-1)
+        if rope:
+            den = torch.maximum(den, guard * bound)
         out[:, :, m] = (w[..., None] * v[:, :, :m + 1]).sum(2) / (den[..., None] + eps)
     return out
+
+
+def eq19_denominator_ratio(q, k, feature_map):
+    """Per position: eq. 19's denominator over the bound on its numerator (float64)."""
+    phi = (lambda t: F.elu(t) + 1) if feature_map == "elu" else F.relu
+    a, b = phi(q.double()), phi(k.double()).cumsum(2)  # sum over n <= m of phi(k_n)
+    h = q.size(-1) // 2
+    bound = ((a[..., :h] + a[..., h:]) * (b[..., :h] + b[..., h:])).sum(-1)
+    return (a * b).sum(-1) / bound
 
 
 def cached_logits(model, idx, split):
     """Prefill idx[:, :split], then feed the rest one token at a time; the logits of every
     position, as generate() sees them."""
-    model.reset_cache(idx.size(1), idx.device)
-    out = [model(idx[:, :split], start_pos=0)[0]]
+    cache = model.new_cache(idx.size(1), idx.device)
+    out = [model(idx[:, :split], cache=cache, start_pos=0)[0]]
     for t in range(split, idx.size(1)):
-        out.append(model(idx[:, t:t + 1], start_pos=t)[0])
+        out.append(model(idx[:, t:t + 1], cache=cache, start_pos=t)[0])
     return torch.cat(out, dim=1)
 
 
@@ -111,13 +128,14 @@ def cached_logits(model, idx, split):
 def test_rope_table_matches_float64_at_large_positions():
     pos = torch.tensor([0, 1, 4095, 10 ** 5, 123457, 10 ** 6, 10 ** 7 + 3])
     d = 64
-    cos, sin = rope_table(pos, d)
-    assert cos.dtype == torch.float32
+    cos, sin = rope_table(pos, d)  # full width, laid out for apply_rope: [c, c], [-s, s]
+    assert cos.dtype == torch.float32 and cos.shape == sin.shape == (len(pos), d)
     for r, m in enumerate(pos.tolist()):
         for i in range(d // 2):
             a = m * 10000.0 ** (-2 * i / d)
-            assert abs(cos[r, i].item() - math.cos(a)) < 1e-6
-            assert abs(sin[r, i].item() - math.sin(a)) < 1e-6
+            for j, sign in ((i, -1), (i + d // 2, 1)):
+                assert abs(cos[r, j].item() - math.cos(a)) < 1e-6
+                assert abs(sin[r, j].item() - sign * math.sin(a)) < 1e-6
 
 
 def test_rope_preserves_norm_and_scores_depend_on_offset_only():
@@ -168,7 +186,7 @@ def test_rope_scaling_variants():
     lin_cos, _ = rope_table(pos, d, scaling="linear", factor=f)
     ref_cos, _ = rope_table(torch.tensor([0]), d)
     # position interpolation: position m under factor f is position m/f unscaled
-    assert torch.allclose(lin_cos[1, :], torch.cos(torch.tensor(
+    assert torch.allclose(lin_cos[1, :d // 2], torch.cos(torch.tensor(
         [10 / f * 10000.0 ** (-2 * i / d) for i in range(d // 2)])), atol=1e-6)
     ntk_cos, _ = rope_table(pos, d, scaling="ntk", factor=f)
     base = 10000.0 * f ** (d / (d - 2))
@@ -244,10 +262,10 @@ def test_linear_gradcheck():
 def test_linear_state_stays_float32_under_bf16_autocast():
     m = tiny(attention="linear")
     idx = torch.randint(0, 61, (1, 8))
-    m.reset_cache(8, idx.device)
+    cache = m.new_cache(8, idx.device)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        m(idx, start_pos=0)
-    S, z = m.blocks[0].attn.cache
+        m(idx, cache=cache, start_pos=0)
+    S, z = cache.state[0]
     assert S.dtype == torch.float32 and z.dtype == torch.float32
 
 
@@ -261,6 +279,57 @@ def test_eq19_weights_are_not_convex():
     out, _ = linear_attention(q, k, v, *rope_table(torch.arange(N), D))
     assert abs(out[0, 0, 0, 0] - 1.0) < 1e-4
     assert out[0, 0, -64:, 0].mean() < 0.45
+
+
+def test_eq19_relu_zero_denominator_stays_bounded():
+    """Issue 20 item 7: RoPE pairs channel i with i + d/2, so a relu query on channel 0 and
+    keys on channel d/2 make eq. 19's denominator exactly 0 while the rotated numerator is
+    not (the output was sin(1) / 1e-6 = 841470.9). The guard keeps every output within
+    max|v| / GUARD, chunked and recurrent alike, and equals the float64 guarded formula."""
+    import model as M
+    D, N = 8, 12
+    q = torch.full((1, 1, N, D), -1.0)
+    k = torch.full((1, 1, N, D), -1.0)
+    q[..., 0], k[..., D // 2] = 1.0, 1.0
+    v = torch.randn(1, 1, N, 3)
+    cos, sin = rope_table(torch.arange(N), D)
+    chunked, _ = linear_attention(q, k, v, cos, sin, "relu", chunk=5)
+    state, steps = None, []
+    for t in range(N):
+        o, state = linear_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                    cos[t:t + 1], sin[t:t + 1], "relu", state=state)
+        steps.append(o)
+    for out in (chunked, torch.cat(steps, 2)):
+        assert out.isfinite().all()
+        assert out.abs().max() <= v.abs().max() / M.GUARD + 1e-6
+        assert out.abs().max() > 0  # the numerator really is there
+        assert torch.allclose(out.double(), naive_eq19(q, k, v, "relu"), atol=1e-5)
+
+
+@pytest.mark.parametrize("fmap", ["elu", "relu"])
+def test_eq19_output_is_bounded_on_any_input(fmap):
+    """The guard's promise on inputs scaled to put the features near 0 or far apart."""
+    import model as M
+    torch.manual_seed(4)
+    for scale in (0.1, 3.0, 30.0):
+        q, k = scale * torch.randn(2, 2, 40, 8), scale * torch.randn(2, 2, 40, 8)
+        v = torch.randn(2, 2, 40, 4)
+        out, _ = linear_attention(q, k, v, *rope_table(torch.arange(40), 8), fmap, chunk=7)
+        assert out.isfinite().all() and out.abs().max() <= v.abs().max() / M.GUARD + 1e-5
+
+
+@pytest.mark.parametrize("fmap", ["elu", "relu"])
+def test_linear_is_eq19_as_printed_where_the_denominator_is_not_small(fmap):
+    """Random inputs: wherever eq. 19's denominator is well above GUARD times the bound on its
+    numerator (most positions), the output is exactly eq. 19 without any guard."""
+    import model as M
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 3, 37, 8), torch.randn(2, 3, 37, 8), torch.randn(2, 3, 37, 6)
+    got, _ = linear_attention(q, k, v, *rope_table(torch.arange(37), 8), fmap, chunk=8)
+    away = eq19_denominator_ratio(q, k, fmap) > 1.2 * M.GUARD
+    assert away.float().mean() > 0.9
+    want = naive_eq19(q, k, v, fmap, guard=0.0)
+    assert torch.allclose(got.double()[away], want[away], atol=1e-5)
 
 
 # --- decoding -----------------------------------------------------------------------
@@ -285,8 +354,8 @@ def test_rolling_cache_is_sliding_window_attention(pos_encoding):
     want = reference_forward(m, idx, window=8)
     assert torch.allclose(got.double(), want, atol=1e-4)
     # one chunked prefill of the whole sequence (wider than the buffer) is the same thing
-    m.reset_cache(24, idx.device)
-    assert torch.allclose(m(idx, start_pos=0)[0].double(), want, atol=1e-4)
+    assert torch.allclose(m(idx, cache=m.new_cache(24, idx.device), start_pos=0)[0].double(),
+                          want, atol=1e-4)
     crop = m(idx[:, -8:])[0][:, -1]  # crop and recompute differs for n_layer > 1
     assert not torch.allclose(crop, got[:, -1], atol=1e-3)
 
@@ -301,13 +370,13 @@ def test_rope_forward_past_block_size_grows_table():
 def test_cache_slots_are_never_rewritten():
     m = tiny(block_size=16)
     idx = torch.randint(0, 61, (1, 16))
-    m.reset_cache(16, idx.device)
-    m(idx[:, :4], start_pos=0)
+    cache = m.new_cache(16, idx.device)
+    m(idx[:, :4], cache=cache, start_pos=0)
     for t in range(4, 16):
-        before = [tuple(c.clone() for c in b.attn.cache) for b in m.blocks]
-        m(idx[:, t:t + 1], start_pos=t)
-        for b, (k0, v0) in zip(m.blocks, before):
-            k1, v1 = b.attn.cache
+        before = [(k.clone(), v.clone()) for k, v in zip(cache.keys, cache.values)]
+        m(idx[:, t:t + 1], cache=cache, start_pos=t)
+        for layer, (k0, v0) in enumerate(before):
+            k1, v1 = cache.keys[layer], cache.values[layer]
             assert torch.equal(k1[:, :, :t], k0[:, :, :t]) and torch.equal(v1[:, :, :t], v0[:, :, :t])
             assert not torch.equal(k1[:, :, t], k0[:, :, t])  # the new key did land at slot t
 
@@ -320,10 +389,10 @@ def test_chunked_prefill_into_nonempty_cache_equals_token_by_token(attention, ch
     T = sum(chunks)
     idx = torch.randint(0, 61, (2, T))
     one_by_one = cached_logits(m, idx, split=1)
-    m.reset_cache(T, idx.device)
+    cache = m.new_cache(T, idx.device)
     out, p = [], 0
     for n in chunks:
-        out.append(m(idx[:, p:p + n], start_pos=p)[0])
+        out.append(m(idx[:, p:p + n], cache=cache, start_pos=p)[0])
         p += n
     assert torch.allclose(torch.cat(out, 1), one_by_one, atol=1e-5)
 
@@ -332,25 +401,73 @@ def test_generate_cached_equals_uncached_and_fresh_calls_are_independent():
     m = tiny(block_size=32)
     prompt = torch.randint(0, 61, (2, 5))
     for kw in [dict(temperature=0), dict(temperature=1.0, top_k=10), dict(top_p=0.9)]:
-        a = m.generate(prompt, 20, use_cache=True, generator=torch.Generator().manual_seed(1), **kw)
-        b = m.generate(prompt, 20, use_cache=False, generator=torch.Generator().manual_seed(1), **kw)
+        a = generate(m, prompt, 20, use_cache=True, generator=torch.Generator().manual_seed(1),
+                     **kw)
+        b = generate(m, prompt, 20, use_cache=False, generator=torch.Generator().manual_seed(1),
+                     **kw)
         assert torch.equal(a, b), kw
-    first = m.generate(prompt, 20, temperature=0)
-    m.generate(torch.randint(0, 61, (3, 9)), 11, temperature=0)  # different shapes and content
-    assert torch.equal(m.generate(prompt, 20, temperature=0), first)
-    assert m.slot_pos is None and all(b.attn.cache is None for b in m.blocks)
+    first = generate(m, prompt, 20, temperature=0)
+    generate(m, torch.randint(0, 61, (3, 9)), 11, temperature=0)  # other shapes and content
+    assert torch.equal(generate(m, prompt, 20, temperature=0), first)
 
 
 def test_generate_past_block_size_any_length():
     for attention in ["softmax", "linear"]:
         m = tiny(attention=attention, block_size=8)
-        out = m.generate(torch.randint(0, 61, (1, 3)), 40, temperature=0)
+        out = generate(m, torch.randint(0, 61, (1, 3)), 40, temperature=0)
         assert out.shape == (1, 43)
     with pytest.raises(ValueError, match="learned"):
-        tiny(pos_encoding="learned", block_size=8).generate(torch.zeros(1, 3, dtype=torch.long), 20)
+        generate(tiny(pos_encoding="learned", block_size=8), torch.zeros(1, 3, dtype=torch.long),
+                 20)
     # the crop-and-recompute loop serves learned positions at any length
-    assert tiny(pos_encoding="learned", block_size=8).generate(
-        torch.zeros(1, 3, dtype=torch.long), 20, use_cache=False).shape == (1, 23)
+    assert generate(tiny(pos_encoding="learned", block_size=8),
+                    torch.zeros(1, 3, dtype=torch.long), 20, use_cache=False).shape == (1, 23)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("scaling", ["linear", "ntk"])
+def test_rope_scaling_extends_the_decoding_window(scaling, use_cache):
+    """Issue 20 item 1: with rope_factor F the window is block_size * F everywhere. A 70-token
+    prompt and 40 greedy tokens on a block-32 model with F=4 (window 128 > 110): cached and
+    uncached decoding equal greedy decoding by plain full-sequence forwards (nothing cropped,
+    nothing evicted). It used to crop and roll at 32."""
+    m = tiny(block_size=32, rope_scaling=scaling, rope_factor=4.0)
+    with torch.no_grad():  # weights large enough that every token of the context matters
+        for p in m.parameters():
+            p.normal_(0.0, 0.3)
+    prompt = torch.randint(0, 61, (2, 70))
+    want = prompt
+    with torch.no_grad():
+        for _ in range(40):
+            want = torch.cat((want, m(want)[0][:, -1:].argmax(-1)), dim=1)
+    assert torch.equal(generate(m, prompt, 40, temperature=0, use_cache=use_cache), want)
+
+
+def test_rope_scaling_window_rolls_past_the_extended_window():
+    """Past block_size * F the cache is a sliding window of block_size * F positions: with one
+    layer (and RoPE's distance-only scores) that is the full forward over the last 128
+    tokens, for every position up to 150."""
+    m = tiny(block_size=32, rope_scaling="ntk", rope_factor=4.0, n_layer=1)
+    idx = torch.randint(0, 61, (1, 150))
+    with torch.no_grad():
+        got = cached_logits(m, idx, split=20)
+        want = torch.stack([m(idx[:, max(0, t - 127):t + 1])[0][:, -1] for t in range(150)], 1)
+    assert (got - want).abs().max() < 1e-4
+    assert m.new_cache(1000, "cpu").slot_pos.numel() == 128
+
+
+def test_learned_positions_decode_a_full_block_prompt_and_one_token():
+    """Issue 20 item 8: the last sampled token is never fed back, so a block_size prompt and
+    one new token (or block_size - 1 and two) need no position past the table."""
+    m = tiny(pos_encoding="learned", block_size=8)
+    prompt = torch.randint(0, 61, (2, 8))
+    with torch.no_grad():
+        first = m(prompt)[0][:, -1:].argmax(-1)
+    assert torch.equal(generate(m, prompt, 1, temperature=0), torch.cat((prompt, first), 1))
+    out = generate(m, prompt[:, :7], 2, temperature=0)
+    assert torch.equal(out[:, -1:], m(out[:, :-1])[0][:, -1:].argmax(-1))
+    with pytest.raises(ValueError, match="learned"):
+        generate(m, prompt, 2, temperature=0)
 
 
 # --- sampling ---------------------------------------------------------------------------
@@ -381,7 +498,7 @@ def test_sampling_argument_validation():
     for kw, word in [(dict(temperature=-0.1), "temperature"), (dict(top_k=-1), "top_k"),
                      (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")]:
         with pytest.raises(ValueError, match=word):
-            m.generate(idx, 3, **kw)
+            generate(m, idx, 3, **kw)
 
 
 @pytest.mark.parametrize("kw,word", [
@@ -393,6 +510,11 @@ def test_sampling_argument_validation():
     (dict(rope_scaling="yarn"), "rope_scaling"),
     (dict(block_size=0), "block_size"),
     (dict(dropout=1.0), "dropout"),
+    # issue 20 item 9: a factor needs a scaling, and scaling needs RoPE
+    (dict(rope_factor=2.0), "needs rope_scaling"),
+    (dict(pos_encoding="learned", rope_scaling="ntk", rope_factor=2.0), "has none"),
+    (dict(pos_encoding="alibi", rope_scaling="linear"), "has none"),
+    (dict(pos_encoding="none", rope_factor=4.0), "has none"),
 ])
 def test_config_validation(kw, word):
     args = dict(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)
@@ -401,6 +523,30 @@ def test_config_validation(kw, word):
         RoFormerConfig(**args)
     if kw == dict(n_embd=12, n_head=4):  # an odd head dim is fine without RoPE
         RoFormerConfig(**{**args, "pos_encoding": "learned"})
+    if kw == dict(rope_factor=2.0):  # with a scaling the factor is what extends the window
+        assert RoFormerConfig(**{**args, "rope_scaling": "ntk"}).context_window == 16
+
+
+# The checkpoint format: every encoding's state_dict keys, as models written before the
+# rebuild saved them (checked against the old model.py when this list was written).
+COMMON_KEYS = {"wte.weight", "lm_head.weight", "ln_f.weight"} | {
+    f"blocks.{i}.{name}.weight" for i in range(2)
+    for name in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+EXTRA_KEYS = {"learned": {"wpe.weight"}, "t5": {"rel_bias.weight"},
+              "shaw": {"blocks.0.attn.rel_k.weight", "blocks.1.attn.rel_k.weight"}}
+
+
+@pytest.mark.parametrize("pos_encoding", POS_ENCODINGS + ["shaw", "t5", "alibi"])
+def test_state_dict_keys_are_the_checkpoint_format(pos_encoding):
+    for attention in ["softmax", "linear"]:
+        if attention == "linear" and pos_encoding in ("shaw", "t5", "alibi"):
+            continue
+        m = tiny(pos_encoding=pos_encoding, attention=attention)
+        assert set(m.state_dict()) == COMMON_KEYS | EXTRA_KEYS.get(pos_encoding, set())
+        with_bias = tiny(pos_encoding=pos_encoding, attention=attention, bias=True)
+        extra = set(with_bias.state_dict()) - set(m.state_dict())
+        assert extra == {k[:-len("weight")] + "bias" for k in COMMON_KEYS
+                         if k.startswith(("blocks", "ln_f"))}
 
 
 # --- training -------------------------------------------------------------------------
@@ -447,7 +593,7 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
     m(idx)
     assert built == []  # two forwards, no rebuild
     torch.testing.assert_close(logits.double(), reference_forward(m, idx), atol=1e-5, rtol=1e-4)
-    m.generate(idx[:1, :4], 40, temperature=0, use_cache=True)  # positions past block_size
+    generate(m, idx[:1, :4], 40, temperature=0, use_cache=True)  # positions past block_size
     assert len(built) == 1 and m.sin_emb.size(0) == 44  # grown once, to the whole generation
     naive = torch.tensor([math.sin(43 * 10000 ** (-2 * i / 16)) for i in range(8)])
     torch.testing.assert_close(m.sin_emb[43, :8], (0.02 * math.sqrt(2) * naive).float())

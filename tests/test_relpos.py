@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig, alibi_slopes, shaw_bias, t5_bucket  # noqa: E402
 from test_model import cached_logits  # noqa: E402
+from generate import generate  # noqa: E402
 
 RELATIVE = ["shaw", "t5", "alibi"]
 
@@ -186,8 +187,8 @@ def test_rolling_cache_is_sliding_window_attention(pos_encoding):
     idx = torch.randint(0, 61, (1, 24))
     want = naive_forward(m, idx, window=8)
     assert torch.allclose(cached_logits(m, idx, split=3).double(), want, atol=1e-4)
-    m.reset_cache(24, idx.device)
-    assert torch.allclose(m(idx, start_pos=0)[0].double(), want, atol=1e-4)
+    assert torch.allclose(m(idx, cache=m.new_cache(24, idx.device), start_pos=0)[0].double(),
+                          want, atol=1e-4)
 
 
 @pytest.mark.parametrize("pos_encoding", RELATIVE)
@@ -208,8 +209,7 @@ def test_shift_invariance(pos_encoding):
     into an empty cache); an absolute encoding must fail the same check."""
     m = tiny(pos_encoding)
     idx = torch.randint(0, 61, (2, 16))
-    m.reset_cache(116, idx.device)
-    shifted = m(idx, start_pos=100)[0]
+    shifted = m(idx, cache=m.new_cache(116, idx.device), start_pos=100)[0]
     same = torch.allclose(shifted, m(idx)[0], atol=1e-4)
     assert same == (pos_encoding != "sinusoidal")
 
@@ -218,7 +218,7 @@ def test_shift_invariance(pos_encoding):
 def test_generate_past_block_size_follows_the_sliding_window(pos_encoding):
     m = tiny(pos_encoding, block_size=8)
     prompt = torch.randint(0, 61, (1, 3))
-    out = m.generate(prompt, 21, temperature=0)
+    out = generate(m, prompt, 21, temperature=0)
     assert out.shape == (1, 24) and torch.equal(out[:, :3], prompt)
     # every greedy token is the argmax of the banded float64 model on the tokens before it
     ref = naive_forward(m, out[:, :-1], window=8).argmax(-1)
@@ -245,7 +245,7 @@ def test_compiled_training_step_matches_eager(pos_encoding):
 
 def test_checkpoints_reload_in_sample_py(tmp_path, capsys):
     """train.py takes the new keys and writes a checkpoint; sample.py prints from it exactly
-    the tokens model.generate draws with the same seed, past block_size (rolling cache)."""
+    the tokens generate() draws with the same seed, past block_size (rolling cache)."""
     test_sample = pytest.importorskip("test_sample")  # its tiny corpus and tokenizer builder
     import sample
     data = tmp_path / "data"
