@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from checkpoint import dataset_dir, load_run
+from checkpoint import dataset_dir, fsync_dir, load_run
 from configurator import ConfigError, configure
 from data.dataset import DatasetError, open_split
 
@@ -267,15 +267,6 @@ def validation_text(ckpt, sp, max_tokens=20000):
 
 
 # --- writing -----------------------------------------------------------------------------
-
-def fsync_dir(path):
-    """Make a rename or a new entry in `path` survive a power loss, not just a crash."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def check_replaceable(path):
     """Refuse before writing anything when `path` holds something export would destroy."""
