@@ -1,41 +1,53 @@
 """
 Export a trained run as a Hugging Face model folder that transformers loads with no custom
 code: GPTNeoXForCausalLM is exactly this model (pre-LayerNorm blocks, exact GELU MLP, RoPE in
-the rotate-half layout on the whole head, sequential residual).
+the rotate-half layout on the whole head, sequential residual). Or, with --gguf, as one GGUF
+file that llama.cpp, ollama and LM Studio run (gguf_export.py).
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
+    python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
 
 The folder holds config.json, generation_config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json. Afterwards it is loaded back with transformers and checked: the same
-logits as ours on a random block, the same token ids as sentencepiece on the run's own
-validation text (--check=False skips that; it is what needs transformers).
+tokenizer_config.json. It is written next to its place and renamed into it when complete, so
+a failed export (a full disk) leaves the previous export, if any, as it was. Afterwards it is
+loaded back with transformers and checked: the same logits as ours on a random block, the same
+token ids as sentencepiece on the run's own validation text (--check=False skips that; it is
+what needs transformers). A GGUF file is read back with gguf's reader (every key and tensor)
+and, where llama-cpp-python is installed, run by llama.cpp and compared with our model.
 """
 import importlib
 import json
 import os
+import shutil
 import sys
 
 import torch
 
-from checkpoint import dataset_dir, load_run
+from checkpoint import dataset_dir, fsync_dir, load_run
 from configurator import ConfigError, configure
+from data.dataset import DatasetError, open_split
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
 hf_dir = ""             # "" is out_dir/hf
-dtype = "float32"       # of the exported weights: float32 | bfloat16 | float16
+dtype = "float32"       # of the exported weights: float32 | bfloat16 | float16 (HF folder)
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
-check = True            # load the export back with transformers and compare logits and token ids
+check = True            # load the export back (transformers / llama.cpp) and compare with our model
+gguf = ""               # a path: write one GGUF file there instead of the HF folder
+gguf_type = "f16"       # of the GGUF's 2-D weights: f32 | f16 | q8_0 (norms and biases stay f32)
 # -----------------------------------------------------------------------------------------
+HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+            "model.safetensors")
+GGUF_TYPES = ("f32", "f16", "q8_0")
 
 
-def need(module):
+def need(module, package=None):
     """Import an optional package's module, or stop with one line naming the package."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        package = module.split(".")[0]
+        package = package or module.split(".")[0]
         sys.exit(f"error: export.py needs the '{package}' package: pip install {package}")
 
 
@@ -105,87 +117,93 @@ def neox_weights(model, dtype):
     The output head is written as embed_out.weight, a copy of the tied embedding: the config
     says it is tied (transformers ties them), and readers with no tying get the same matrix."""
     c = model.config
-    H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd
-    sd = {k: v.detach().to(dtype=torch.float32, device="cpu") for k, v in model.state_dict().items()}
+    H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd  # heads, head size, width
+    state = {k: v.detach().to(dtype=torch.float32, device="cpu")
+             for k, v in model.state_dict().items()}
 
     def bias(name, n):
-        return sd.get(name, torch.zeros(n))
+        return state.get(name, torch.zeros(n))
 
-    out = {"gpt_neox.embed_in.weight": sd["wte.weight"],
-           "gpt_neox.final_layer_norm.weight": sd["ln_f.weight"],
+    out = {"gpt_neox.embed_in.weight": state["wte.weight"],
+           "gpt_neox.final_layer_norm.weight": state["ln_f.weight"],
            "gpt_neox.final_layer_norm.bias": bias("ln_f.bias", C),
-           "embed_out.weight": sd["wte.weight"].clone()}
+           "embed_out.weight": state["wte.weight"].clone()}
     for i in range(c.n_layer):
-        p, q = f"blocks.{i}.", f"gpt_neox.layers.{i}."
-        qkv_w = sd[p + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1).reshape(3 * C, C)
-        qkv_b = bias(p + "attn.c_attn.bias", 3 * C).view(3, H, D).transpose(0, 1).reshape(3 * C)
+        ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        qkv_w = state[ours + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1)
+        qkv_w = qkv_w.reshape(3 * C, C)
+        qkv_b = bias(ours + "attn.c_attn.bias", 3 * C).view(3, H, D).transpose(0, 1).reshape(3 * C)
         out.update({
-            q + "input_layernorm.weight": sd[p + "ln_1.weight"],
-            q + "input_layernorm.bias": bias(p + "ln_1.bias", C),
-            q + "attention.query_key_value.weight": qkv_w,
-            q + "attention.query_key_value.bias": qkv_b,
-            q + "attention.dense.weight": sd[p + "attn.c_proj.weight"],
-            q + "attention.dense.bias": bias(p + "attn.c_proj.bias", C),
-            q + "post_attention_layernorm.weight": sd[p + "ln_2.weight"],
-            q + "post_attention_layernorm.bias": bias(p + "ln_2.bias", C),
-            q + "mlp.dense_h_to_4h.weight": sd[p + "mlp.c_fc.weight"],
-            q + "mlp.dense_h_to_4h.bias": bias(p + "mlp.c_fc.bias", 4 * C),
-            q + "mlp.dense_4h_to_h.weight": sd[p + "mlp.c_proj.weight"],
-            q + "mlp.dense_4h_to_h.bias": bias(p + "mlp.c_proj.bias", C),
+            theirs + "input_layernorm.weight": state[ours + "ln_1.weight"],
+            theirs + "input_layernorm.bias": bias(ours + "ln_1.bias", C),
+            theirs + "attention.query_key_value.weight": qkv_w,
+            theirs + "attention.query_key_value.bias": qkv_b,
+            theirs + "attention.dense.weight": state[ours + "attn.c_proj.weight"],
+            theirs + "attention.dense.bias": bias(ours + "attn.c_proj.bias", C),
+            theirs + "post_attention_layernorm.weight": state[ours + "ln_2.weight"],
+            theirs + "post_attention_layernorm.bias": bias(ours + "ln_2.bias", C),
+            theirs + "mlp.dense_h_to_4h.weight": state[ours + "mlp.c_fc.weight"],
+            theirs + "mlp.dense_h_to_4h.bias": bias(ours + "mlp.c_fc.bias", 4 * C),
+            theirs + "mlp.dense_4h_to_h.weight": state[ours + "mlp.c_proj.weight"],
+            theirs + "mlp.dense_4h_to_h.bias": bias(ours + "mlp.c_proj.bias", C),
         })
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
 # --- the tokenizer -----------------------------------------------------------------------
 
-def hf_tokenizer(sp):
-    """The run's sentencepiece model as a `tokenizers` Tokenizer giving the same ids.
-
-    Our sentencepiece settings (data/common.py) make this a plain byte-fallback BPE: identity
-    normalisation, no dummy prefix, so the only normalisation is " " -> "▁"; "\\n" is a fixed
-    piece matched before the model runs (an added token here). The merges are rebuilt from the
-    vocabulary: sentencepiece merges the adjacent pair whose joined piece scores highest, so
-    every split of each normal piece into two pieces becomes a merge, ranked by the joined
-    piece's score. Control pieces (<s>, </s>) and <unk> become special tokens that are never
-    matched in text: a literal "<s>" in a document is text (split_special_tokens)."""
-    need("tokenizers")
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-    try:
-        from sentencepiece import sentencepiece_model_pb2 as pb
-    except ImportError:  # the proto reader needs protobuf, which wandb already requires
-        sys.exit("error: reading the sentencepiece model needs the 'protobuf' package: "
-                 "pip install protobuf")
+def sentencepiece_proto(sp):
+    """The tokenizer's pieces and settings (sentencepiece's ModelProto, which needs protobuf),
+    after the checks both formats need. Our settings (data/tokenizer.py) make it a plain
+    byte-fallback BPE: identity normalisation, no dummy prefix, so the only normalisation is
+    " " -> "▁"; other settings would need more than that to reproduce."""
+    pb = need("sentencepiece.sentencepiece_model_pb2", "protobuf")
     m = pb.ModelProto()
     m.ParseFromString(sp.serialized_model_proto())
-    P, spec, norm = pb.ModelProto.SentencePiece, m.trainer_spec, m.normalizer_spec
-    kind = {spec.BPE: "bpe", spec.CHAR: "char"}.get(spec.model_type)
-    if kind is None:
+    spec, norm = m.trainer_spec, m.normalizer_spec
+    if spec.model_type not in (spec.BPE, spec.CHAR):
         # unigram: tried, and `tokenizers`' Viterbi breaks ties between equal-score
-        # segmentations (runs of spaces) differently from sentencepiece: other ids
+        # segmentations (runs of spaces) differently from sentencepiece: other ids; llama.cpp's
+        # sentencepiece tokenizer merges pairs the BPE way, so it would differ more
         sys.exit("error: only bpe and char sentencepiece tokenizers are exported (the default "
                  "ones); a unigram tokenizer would give different ids on runs of spaces")
     custom = norm.name not in ("identity", "") or norm.add_dummy_prefix or \
         norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix
-    if custom:  # data/common.py never trains these; other settings would need more than a Replace
+    if custom:  # data/tokenizer.py never trains these
         sys.exit(f"error: the tokenizer was trained with normalization {norm.name!r}, "
                  f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
                  f"{norm.remove_extra_whitespaces}; export handles identity/False/False only")
     if not spec.byte_fallback:
         sys.exit("error: the tokenizer has no byte fallback; export reproduces byte-fallback "
-                 "tokenizers only (data/common.py always trains with it)")
+                 "tokenizers only (data/tokenizer.py always trains with it)")
+    return m
+
+
+def hf_tokenizer(sp):
+    """The run's sentencepiece model as a `tokenizers` Tokenizer giving the same ids.
+
+    "\\n" is a fixed piece matched before the model runs (an added token here). The merges are
+    rebuilt from the vocabulary: sentencepiece merges the adjacent pair whose joined piece
+    scores highest, so every split of each normal piece into two pieces becomes a merge, ranked
+    by the joined piece's score. Control pieces (<s>, </s>) and <unk> become special tokens
+    that are never matched in text: a literal "<s>" in a document is text
+    (split_special_tokens)."""
+    need("tokenizers")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    m = sentencepiece_proto(sp)
+    P, spec = m.SentencePiece, m.trainer_spec
     pieces = list(m.pieces)
-    unk = pieces[spec.unk_id].piece
     vocab = {p.piece: i for i, p in enumerate(pieces)}
     merges = []
-    if kind == "bpe":  # a char model is the same BPE without merges
+    if spec.model_type == spec.BPE:  # a char model is the same BPE without merges
         normal = sorted((i for i, p in enumerate(pieces) if p.type == P.NORMAL),
                         key=lambda i: (-pieces[i].score, i))
         for i in normal:
             s = pieces[i].piece
             splits = [(s[:k], s[k:]) for k in range(1, len(s)) if s[:k] in vocab and s[k:] in vocab]
             merges += sorted(splits, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
-    model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True,
-                       fuse_unk=True)
+    model = models.BPE(vocab=vocab, merges=merges, unk_token=pieces[spec.unk_id].piece,
+                       byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
@@ -200,9 +218,14 @@ def hf_tokenizer(sp):
 def tokenizer_config(sp, context):
     """tokenizer_config.json. tokenizer_class is what makes AutoTokenizer read tokenizer.json
     as it is (without it, transformers picks the GPT-NeoX tokenizer class: wrong ids).
-    No BOS is added: the model never saw one (a document starts after EOS)."""
+    No BOS is added: the model never saw one (a document starts after EOS). Padding uses the
+    end-of-document piece, as GPT-NeoX models do, on the left, so that a batch of prompts of
+    different lengths all continue from their last token (`pipeline(..., batch_size=2)`)."""
+    eos = sp.id_to_piece(sp.eos_id())
     return {"tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": sp.id_to_piece(sp.eos_id()),
+            "eos_token": eos,
+            "pad_token": eos,
+            "padding_side": "left",
             "unk_token": sp.id_to_piece(sp.unk_id()),
             "split_special_tokens": True,           # "<s>" typed in text stays text
             "clean_up_tokenization_spaces": False,  # decode gives back the exact text
@@ -233,70 +256,89 @@ def check_export(path, model, sp, text, dtype):
 
 
 def validation_text(ckpt, sp, max_tokens=20000):
-    """Some of the run's own validation text for the tokenizer check ("" if not found)."""
-    import numpy as np
+    """Some of the run's own validation text for the tokenizer checks ("" if not found)."""
     ddir = dataset_dir(ckpt)
     if not ddir:
         return ""
-    with open(os.path.join(ddir, "meta.json")) as f:
-        dt = json.load(f)["dtype"]
-    return sp.decode(np.fromfile(os.path.join(ddir, "val.bin"), dtype=dt, count=max_tokens).tolist())
-
-
-def main(argv):
-    names = ("out_dir", "hf_dir", "dtype", "tokenizer", "check")
     try:
-        cfg = configure({k: globals()[k] for k in names}, argv)
-    except ConfigError as e:
+        return sp.decode(open_split(ddir, "val")[:max_tokens].tolist())
+    except DatasetError as e:
         sys.exit(f"error: {e}")
-    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
-        sys.exit(f"error: dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
-    st = need("safetensors.torch")
-    need("tokenizers")
-    if cfg["check"]:
-        need("transformers")
 
-    # float32 on the CPU: export copies the exact weights, it computes nothing
-    model, sp, ckpt = load_run(cfg["out_dir"], torch.device("cpu"), "float32", cfg["tokenizer"])
-    c = model.config
-    why = refusal(c)
-    if why:
-        sys.exit(f"error: cannot export {cfg['out_dir']}: {why}")
-    if sp.eos_id() < 0:
-        sys.exit("error: the tokenizer has no end-of-document piece (eos_id); export needs one")
-    tok = hf_tokenizer(sp)  # before anything is written: it may refuse too
-    path = cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf")
+
+# --- writing -----------------------------------------------------------------------------
+
+def check_replaceable(path):
+    """Refuse before writing anything when `path` holds something export would destroy."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        sys.exit(f"error: {path} exists and is not a folder")
+    if os.path.isdir(path):
+        other = sorted(set(os.listdir(path)) - set(HF_FILES) - {".model.safetensors.tmp"})
+        if other:
+            sys.exit(f"error: {path} holds files an export did not write ({', '.join(other[:3])}); "
+                     f"export replaces the whole folder, so pass an empty or new --hf_dir")
+
+
+def write_folder(path, files):
+    """files {name: bytes} -> the folder `path`. Written into a temp folder next to it, each file
+    and the folder synced, then renamed into place: a failure at any point (a full disk) leaves
+    no folder that looks complete, and the previous export, if any, as it was."""
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = None
     try:
-        os.makedirs(path, exist_ok=True)
-        if os.path.exists(os.path.join(path, "model.safetensors")):  # an earlier export:
-            os.remove(os.path.join(path, "model.safetensors"))     # complete only when redone
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        for leftover in (tmp, tmp + ".old"):  # from a killed export that had this pid
+            shutil.rmtree(leftover, ignore_errors=True)
+        os.mkdir(tmp)
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if os.path.isdir(path):  # the previous export goes only once the new one is complete
+            os.rename(path, tmp + ".old")
+            os.rename(tmp, path)
+            shutil.rmtree(tmp + ".old", ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        fsync_dir(parent)
     except OSError as e:
-        sys.exit(f"error: cannot write to {path}: {e.strerror or e}")
+        if tmp and os.path.isdir(tmp + ".old") and not os.path.exists(path):
+            os.rename(tmp + ".old", path)
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"error: cannot write {path}: {e.strerror or e}")
 
-    conf = neox_config(c, sp.eos_id(), cfg["dtype"])
+
+def hf_files(model, sp, dtype):
+    """The HF folder's files as {name: bytes}."""
+    st = need("safetensors.torch")
+    conf = neox_config(model.config, sp.eos_id(), dtype)
     gen = {"eos_token_id": sp.eos_id(), "pad_token_id": sp.eos_id(), "do_sample": True,
            "temperature": 0.8, "top_k": 200}  # sample.py's defaults
-    weights = neox_weights(model, getattr(torch, cfg["dtype"]))
-    files = {"config.json": conf, "generation_config.json": gen,
-             "tokenizer_config.json": tokenizer_config(sp, conf["max_position_embeddings"])}
-    for name, obj in files.items():
-        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-    tok.save(os.path.join(path, "tokenizer.json"))
-    # written last, through a temp name: a folder with model.safetensors in it is complete
-    tmp = os.path.join(path, ".model.safetensors.tmp")
-    with open(tmp, "wb") as f:
-        f.write(st.save(weights, metadata={"format": "pt"}))
-    os.replace(tmp, os.path.join(path, "model.safetensors"))
-    size = os.path.getsize(os.path.join(path, "model.safetensors"))
-    print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
-          f"({cfg['dtype']}, {size / 1e6:.1f} MB), rope_theta {conf['rope_theta']:g}, "
-          f"tokenizer {sp.get_piece_size()} pieces, eos {sp.id_to_piece(sp.eos_id())!r}",
-          file=sys.stderr)
+    docs = {"config.json": conf, "generation_config.json": gen,
+            "tokenizer_config.json": tokenizer_config(sp, conf["max_position_embeddings"])}
+    files = {name: (json.dumps(obj, indent=2) + "\n").encode() for name, obj in docs.items()}
+    files["tokenizer.json"] = hf_tokenizer(sp).to_str().encode()
+    weights = neox_weights(model, getattr(torch, dtype))
+    files["model.safetensors"] = st.save(weights, metadata={"format": "pt"})
+    return files
 
+
+def export_hf(cfg, model, sp, text):
+    path = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
+    check_replaceable(path)
+    files = hf_files(model, sp, cfg["dtype"])
+    write_folder(path, files)
+    conf = json.loads(files["config.json"])
+    print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
+          f"({cfg['dtype']}, {len(files['model.safetensors']) / 1e6:.1f} MB), rope_theta "
+          f"{conf['rope_theta']:g}, tokenizer {sp.get_piece_size()} pieces, eos "
+          f"{sp.id_to_piece(sp.eos_id())!r}", file=sys.stderr)
     if cfg["check"]:
-        text = validation_text(ckpt, sp)
+        c = model.config
         diff, bad, n = check_export(path, model, sp, text, getattr(torch, cfg["dtype"]))
         print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
               f"blocks of {c.block_size}; token ids equal to sentencepiece on {n - bad}/{n} texts",
@@ -304,6 +346,86 @@ def main(argv):
         if bad or diff > 1e-3:
             sys.exit("error: the exported model or tokenizer does not match this run (see the "
                      "check line above)")
+
+
+def export_gguf(cfg, model, sp, proto, text):
+    """--gguf: the file written under a temp name next to its place, synced, read back and
+    checked key by key and tensor by tensor, then renamed into place; then, where
+    llama-cpp-python is installed, run by llama.cpp and compared with our model."""
+    import gguf_export  # only here: it imports the optional gguf package
+    path, kind = cfg["gguf"], cfg["gguf_type"]
+    if os.path.isdir(path):
+        sys.exit(f"error: --gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
+    name = os.path.basename(os.path.abspath(cfg["out_dir"]))
+    metadata = gguf_export.gguf_metadata(model.config, sp, proto, kind, name)
+    tensors = gguf_export.gguf_tensors(model, kind)
+    parent, tmp = os.path.dirname(os.path.abspath(path)), None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+        gguf_export.write_gguf(tmp, metadata, tensors)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        problems = gguf_export.verify_gguf(tmp, metadata, tensors)
+        if problems:
+            raise ValueError(f"the file read back differs from what was written: {problems[0]}")
+        os.replace(tmp, path)
+        fsync_dir(parent)
+    except (OSError, ValueError) as e:
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
+        reason = getattr(e, "strerror", None) or (f"{e} (a short write: is the disk full?)"
+                                                   if isinstance(e, OSError) else e)
+        sys.exit(f"error: cannot write {path}: {reason}")
+    kept_f16 = sum(t[1].name == "F16" for t in tensors.values()) if kind == "q8_0" else 0
+    print(f"wrote {path}: gguf {gguf_export.ARCH}, {model.num_params() / 1e6:.2f}M params ({kind}"
+          f"{f', {kept_f16} tensors f16 (rows not a multiple of 32)' if kept_f16 else ''}, "
+          f"{os.path.getsize(path) / 1e6:.1f} MB), rope freq_base "
+          f"{metadata[f'{gguf_export.ARCH}.rope.freq_base'][0]:g}, tokenizer "
+          f"{sp.get_piece_size()} pieces (llama.cpp SPM), eos {sp.id_to_piece(sp.eos_id())!r}; "
+          f"read back: {len(metadata)} keys and {len(tensors)} tensors as written", file=sys.stderr)
+    if cfg["check"] and not gguf_export.check_with_llama_cpp(path, model, sp, text):
+        sys.exit("error: llama.cpp's tokenizer or logits do not match this run (see the check "
+                 "line above)")
+
+
+def parse_args(argv):
+    """The settings and the packages they need, checked before anything loads."""
+    names = ("out_dir", "hf_dir", "dtype", "tokenizer", "check", "gguf", "gguf_type")
+    try:
+        cfg = configure({k: globals()[k] for k in names}, argv)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
+        sys.exit(f"error: dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
+    if cfg["gguf_type"] not in GGUF_TYPES:
+        sys.exit(f"error: gguf_type must be f32, f16 or q8_0, got {cfg['gguf_type']!r}")
+    need("sentencepiece.sentencepiece_model_pb2", "protobuf")  # both read the tokenizer's pieces
+    if cfg["gguf"]:
+        need("gguf")
+    else:
+        need("safetensors.torch")
+        need("tokenizers")
+        if cfg["check"]:
+            need("transformers")
+    return cfg
+
+
+def main(argv):
+    cfg = parse_args(argv)
+    # float32 on the CPU: export copies the exact weights, it computes nothing
+    model, sp, ckpt = load_run(cfg["out_dir"], torch.device("cpu"), "float32", cfg["tokenizer"])
+    why = refusal(model.config)
+    if why:
+        sys.exit(f"error: cannot export {cfg['out_dir']}: {why}")
+    if sp.eos_id() < 0:
+        sys.exit("error: the tokenizer has no end-of-document piece (eos_id); export needs one")
+    proto = sentencepiece_proto(sp)  # before anything is written: it may refuse too
+    text = validation_text(ckpt, sp) if cfg["check"] else ""
+    if cfg["gguf"]:
+        export_gguf(cfg, model, sp, proto, text)
+    else:
+        export_hf(cfg, model, sp, text)
 
 
 if __name__ == "__main__":

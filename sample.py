@@ -18,7 +18,7 @@ import torch
 
 from checkpoint import describe, load_run, pick_device
 from configurator import ConfigError, configure
-from generate import generate_stream
+import generate
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -73,11 +73,10 @@ class TextStream:
         return rest
 
 
-# Decode steps after which compiling the step has paid for its compile time, by device type
-# (bench/decode.py table 1, "compile pays after"; see the README). CPU, 6 layers x 384: the
-# compiled step saved 0.3-1.5 ms per token against 9-12 s of compiling with a warm inductor
-# cache (27-34 s cold): 5,000-56,000 tokens warm, up to ~100,000 cold. No GPU was available to
-# measure, so auto leaves CUDA eager.
+# Decode steps after which compiling the per-token step has paid for its compile time, by
+# device type: below it, --compile=auto stays eager because compiling costs more than it saves.
+# Measured with bench/decode.py (the figures and the command are in docs/). CUDA has no entry
+# (nothing measured there yet), so auto leaves it eager.
 COMPILE_PAYS_AFTER = {"cpu": 100_000}
 
 
@@ -89,106 +88,128 @@ def compile_pays(choice, device, new_tokens):
     return new_tokens >= COMPILE_PAYS_AFTER.get(device.type, float("inf"))
 
 
-def main(argv):
+def parse_args(argv):
+    """The settings, checked before anything loads: a typo should not wait for a checkpoint."""
     names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
              "seed", "device", "dtype", "use_cache", "compile", "stop_at_eos", "rope_scaling",
              "rope_factor", "tokenizer")
     try:
         cfg = configure({k: globals()[k] for k in names}, argv)
-    except ConfigError as e:
+        generate.check_sampling(cfg["temperature"], cfg["top_k"] or None, cfg["top_p"])
+    except (ConfigError, ValueError) as e:
         sys.exit(f"error: {e}")
-    # argument checks first: a typo should not wait for a checkpoint to load
-    if cfg["temperature"] < 0:
-        sys.exit(f"error: temperature must be >= 0 (0 is greedy), got {cfg['temperature']}")
-    if cfg["top_k"] < 0:
-        sys.exit(f"error: top_k must be >= 0 (0 turns it off), got {cfg['top_k']}")
-    if not 0.0 < cfg["top_p"] <= 1.0:
-        sys.exit(f"error: top_p must be in (0, 1] (1 turns it off), got {cfg['top_p']}")
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
         sys.exit("error: num_samples and max_new_tokens must be >= 1")
     if str(cfg["compile"]).lower() not in ("auto", "true", "false"):
         sys.exit(f"error: compile must be True, False or auto, got {cfg['compile']!r}")
     if str(cfg["compile"]).lower() == "true" and not cfg["use_cache"]:
         sys.exit("error: --compile=True compiles the cached decode step; drop --use_cache=False")
-    dev, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
-    start_text = cfg["start"]
-    if start_text.startswith("FILE:"):
-        try:
-            with open(start_text[5:], encoding="utf-8") as f:
-                start_text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            sys.exit(f"error: cannot read the prompt file {start_text[5:]}: {e}")
+    return cfg
 
-    # --- checkpoint, model and tokenizer -----------------------------------------------
-    model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
-                               cfg["rope_scaling"], cfg["rope_factor"])
-    print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
 
-    # --- prompt --------------------------------------------------------------------------
-    ids = sp.encode(start_text)
+def read_prompt(start_arg):
+    """--start as given, or the file named after FILE: exactly as it is on disk (newline=""
+    keeps CRLF: training keeps "\\r" too, so the prompt is the text the model was trained on)."""
+    if not start_arg.startswith("FILE:"):
+        return start_arg
+    path = start_arg[len("FILE:"):]
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: cannot read the prompt file {path}: {e}")
+
+
+def encode_prompt(sp, prompt_text):
+    """Prompt text -> token ids; an empty prompt starts a new document."""
+    ids = sp.encode(prompt_text)
     if sp.unk_id() in ids:  # byte fallback off (or no byte piece): refuse to guess
-        bad = sorted({ch for ch in start_text if sp.unk_id() in sp.encode(ch)})
-        sys.exit(f"error: the tokenizer cannot encode these prompt characters: {''.join(bad)!r}")
-    eos = sp.eos_id()
+        unencodable = sorted({ch for ch in prompt_text if sp.unk_id() in sp.encode(ch)})
+        sys.exit(f"error: the tokenizer cannot encode these prompt characters: "
+                 f"{''.join(unencodable)!r}")
     if not ids:
         # Every training document follows an end-of-document token, so that is the honest
         # "start of a document" context; BOS never occurs in the training data.
-        ids = [eos] if eos >= 0 else [sp.bos_id()] if sp.bos_id() >= 0 else sp.encode("\n")
+        eos, bos = sp.eos_id(), sp.bos_id()
+        ids = [eos] if eos >= 0 else [bos] if bos >= 0 else sp.encode("\n")
         print(f"note: empty prompt; starting a new document from "
               f"{sp.id_to_piece(ids[0])!r}", file=sys.stderr)
-    B = cfg["num_samples"]
-    x = torch.tensor(ids, dtype=torch.long, device=dev)[None].repeat(B, 1)
-    gen = torch.Generator(device=dev).manual_seed(cfg["seed"])
-    compiled = compile_pays(cfg["compile"], dev, cfg["max_new_tokens"]) and cfg["use_cache"]
+    return ids
 
-    # --- generate ------------------------------------------------------------------------
-    streams = [TextStream(sp) for _ in range(B)]
+
+def stream_samples(model, sp, prompt_ids, cfg, device, compiled):
+    """Generate cfg["num_samples"] samples as one batch; the first is printed as it comes.
+    Returns (the samples' TextStreams, decode steps run, time of the first token, end time)."""
+    num_samples, eos, out = cfg["num_samples"], sp.eos_id(), sys.stdout
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None].repeat(num_samples, 1)
+    rng = torch.Generator(device=device).manual_seed(cfg["seed"])
+    streams = [TextStream(sp) for _ in range(num_samples)]
     for s in streams:
-        s.push(ids)
-    out = sys.stdout
+        s.push(prompt_ids)
     out.write(streams[0].text)
     out.flush()
-    done = [False] * B
-    steps, t0 = 0, time.perf_counter()
-    t_first = None
+    finished = [False] * num_samples
+    steps, t_first = 0, None
     try:
-        for nxt in generate_stream(model, x, cfg["max_new_tokens"], cfg["temperature"],
-                                   cfg["top_k"] or None, cfg["top_p"], cfg["use_cache"],
-                                   gen, compiled):
-            for b, t in enumerate(nxt[:, 0].tolist()):  # .tolist() waits for the device
-                if done[b]:
+        for next_tokens in generate.generate_stream(model, prompt, cfg["max_new_tokens"],
+                                                    temperature=cfg["temperature"],
+                                                    top_k=cfg["top_k"] or None,
+                                                    top_p=cfg["top_p"],
+                                                    use_cache=cfg["use_cache"], generator=rng,
+                                                    compile=compiled):
+            for b, token in enumerate(next_tokens[:, 0].tolist()):  # .tolist() waits for the device
+                if finished[b]:
                     continue
-                if cfg["stop_at_eos"] and t == eos:
-                    done[b] = True
+                if cfg["stop_at_eos"] and token == eos:
+                    finished[b] = True
                     continue
-                text = streams[b].push([t])
+                text = streams[b].push([token])
                 if b == 0 and text:
                     out.write(text)
                     out.flush()
             steps += 1
-            if t_first is None:
-                t_first = time.perf_counter()
-            if all(done):
+            t_first = t_first or time.perf_counter()
+            if all(finished):
                 break
     except ValueError as e:  # e.g. learned positions asked to run past their table
         sys.exit(f"error: {e}")
-    t_end = time.perf_counter()
+    return streams, steps, t_first, time.perf_counter()
+
+
+def print_samples(streams):
+    """The rest of the first sample (it streamed live), then the others in full."""
     for b, s in enumerate(streams):
         rest = s.flush()
-        if b == 0:
-            out.write(rest + "\n")
-        else:
-            out.write("---------------\n" + s.text + "\n")
-    out.flush()
+        sys.stdout.write(rest + "\n" if b == 0 else "---------------\n" + s.text + "\n")
+    sys.stdout.flush()
+
+
+def speed_line(n_prompt, num_samples, steps, t0, t_first, t_end, use_cache, compiled):
+    """One line for stderr: prompt and decode throughput."""
     prompt_s = t_first - t0
-    line = f"prompt: {len(ids)} tokens x {B} in {prompt_s * 1e3:.1f} ms " \
-           f"({len(ids) * B / prompt_s:.0f} tok/s, incl. the first sample)"
+    line = f"prompt: {n_prompt} tokens x {num_samples} in {prompt_s * 1e3:.1f} ms " \
+           f"({n_prompt * num_samples / prompt_s:.0f} tok/s, incl. the first sample)"
     if steps > 1:
-        line += f"; decode: {steps - 1} steps x {B} in {t_end - t_first:.2f} s " \
-                f"({(steps - 1) * B / (t_end - t_first):.1f} tok/s)"
-    print(line + f"; cache {'on' if cfg['use_cache'] else 'off'}, "
-                 f"compile {'on (compiling is in the decode time)' if compiled else 'off'}",
-          file=sys.stderr)
+        line += f"; decode: {steps - 1} steps x {num_samples} in {t_end - t_first:.2f} s " \
+                f"({(steps - 1) * num_samples / (t_end - t_first):.1f} tok/s)"
+    return line + f"; cache {'on' if use_cache else 'off'}, " \
+                  f"compile {'on (compiling is in the decode time)' if compiled else 'off'}"
+
+
+def main(argv):
+    cfg = parse_args(argv)
+    device, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
+    prompt_text = read_prompt(cfg["start"])
+    model, sp, ckpt = load_run(cfg["out_dir"], device, cfg["dtype"], cfg["tokenizer"],
+                               cfg["rope_scaling"], cfg["rope_factor"])
+    print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
+    prompt_ids = encode_prompt(sp, prompt_text)
+    compiled = compile_pays(cfg["compile"], device, cfg["max_new_tokens"]) and cfg["use_cache"]
+    t0 = time.perf_counter()
+    streams, steps, t_first, t_end = stream_samples(model, sp, prompt_ids, cfg, device, compiled)
+    print_samples(streams)
+    print(speed_line(len(prompt_ids), cfg["num_samples"], steps, t0, t_first, t_end,
+                     cfg["use_cache"], compiled), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,13 @@ the exported folder (its logits, its greedy generate) against our model, the exp
 tokenizer loaded by AutoTokenizer against sentencepiece, and eval.py's bits per byte against
 one computed from the exported model's logits and tokenizer alone.
 """
+import errno
 import json
 import math
 import os
 import random
+import shutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -23,9 +26,9 @@ transformers = pytest.importorskip("transformers", reason="the exported folder i
                                    "loading it with transformers")
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-from data import common  # noqa: E402
+import generate as decoding  # noqa: E402
+from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from generate import generate  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402
                        one_thread)  # noqa: F401 (an autouse fixture)
 
@@ -115,7 +118,7 @@ def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling,
         plain.load_state_dict(model.state_dict())
         assert max_logit_diff(plain, hf) > 1e-2
     prompt = torch.randint(0, args["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
-    ours = generate(model, prompt, 32, temperature=0)
+    ours = decoding.generate(model, prompt, 32, temperature=0)
     theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
                          pad_token_id=run["sp"].eos_id())
     assert torch.equal(ours, theirs)
@@ -125,7 +128,7 @@ def test_trained_run_logits_and_greedy_generation_match(run):
     model, hf = run["model"], run["hf"]
     assert max_logit_diff(model, hf, seed=3) < 1e-4
     prompt = torch.tensor([run["sp"].encode("def value_1(x):\n    return")])
-    ours = generate(model, prompt, 32, temperature=0)
+    ours = decoding.generate(model, prompt, 32, temperature=0)
     # min_new_tokens would ban EOS; eos_token_id=None lets both run 32 tokens unhindered
     theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
                          pad_token_id=run["sp"].eos_id())
@@ -186,18 +189,39 @@ def test_tokenizer_gives_sentencepiece_ids_and_decodes_back(run):
     assert sp.piece_to_id("<s>") not in tok("<s>").input_ids  # typed "<s>" stays text
 
 
+def test_batched_generation_pads_with_end_of_document(run):
+    """pad_token is the end-of-document piece (as GPT-NeoX models do), on the left: batched
+    greedy generation through transformers' pipeline gives, for each prompt, the text our
+    model's greedy decoding of that prompt alone gives."""
+    tok, sp, model = run["tok"], run["sp"], run["model"]
+    assert tok.pad_token == "</s>" and tok.pad_token_id == sp.eos_id()
+    prompts = ["def value_1(x):\n    return", "the", "model: 世界 你好"]
+    batch = tok(prompts, padding=True)
+    lengths = [len(sp.encode(p)) for p in prompts]
+    for ids, mask, n in zip(batch.input_ids, batch.attention_mask, lengths):
+        assert ids[len(ids) - n:] == sp.encode(prompts[lengths.index(n)]) and sum(mask) == n
+        assert ids[:len(ids) - n] == [sp.eos_id()] * (len(ids) - n)  # padded on the left
+    pipe = transformers.pipeline("text-generation", model=run["hf"], tokenizer=tok, device="cpu")
+    outs = pipe(prompts, batch_size=2, max_new_tokens=12, do_sample=False)
+    for prompt, out in zip(prompts, outs):
+        ids = sp.encode(prompt)
+        new = decoding.generate(model, torch.tensor([ids]), 12, temperature=0)[0, len(ids):].tolist()
+        new = new[:new.index(sp.eos_id())] if sp.eos_id() in new else new
+        assert out[0]["generated_text"] == sp.decode(ids + new)
+
+
 def test_char_tokenizer_and_unigram_refusal(run, tmp_path):
     """data/text/prepare.py also trains char tokenizers (shakespeare_char): same checks. A
     unigram one is refused with one line (its ids would differ on runs of spaces)."""
     lines = [l for _, d in corpus_docs() for l in d.split("\n") if l.strip()]
-    sp = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 0, "char")[0])
+    sp = spm.SentencePieceProcessor(model_proto=train_tokenizer(lines, 0, "char")[0])
     path = tmp_path / "hf"
     path.mkdir()
     export.hf_tokenizer(sp).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(export.tokenizer_config(sp, BLOCK)))
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     assert_same_as_sentencepiece(tok, sp, tricky_texts(seed=1, n_random=500))
-    uni = spm.SentencePieceProcessor(model_proto=common.train_tokenizer(lines, 330, "unigram")[0])
+    uni = spm.SentencePieceProcessor(model_proto=train_tokenizer(lines, 330, "unigram")[0])
     assert "unigram" in one_line_error(export.hf_tokenizer, uni)
 
 
@@ -251,3 +275,92 @@ def test_missing_packages_and_bad_arguments(run, monkeypatch):
             for name in [n for n in sys.modules if n.split(".")[0] == package]:
                 m.setitem(sys.modules, name, None)  # importing it now raises ImportError
             assert f"'{package}' package" in err(o)
+
+
+def test_missing_protobuf_is_one_line_and_listed_for_tests(run, monkeypatch):
+    """export reads the sentencepiece model's pieces through its protobuf schema (both formats
+    need piece types and the trainer settings), so protobuf is a real dependency of export.py:
+    missing, it is one line naming it; and requirements-test.txt installs it (and gguf)."""
+    for name in [n for n in sys.modules if n.split(".")[0] == "google" or n.endswith("_pb2")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "google.protobuf", None)
+    assert "'protobuf' package" in err(f"--out_dir={run['out']}")
+    assert "'protobuf' package" in err(f"--out_dir={run['out']}", "--gguf=x.gguf")
+    with open(os.path.join(ROOT, "requirements-test.txt")) as f:
+        listed = {line.split("#")[0].strip().split(">")[0].split("=")[0].split("[")[0].lower()
+                  for line in f}
+    assert {"protobuf", "gguf", "transformers", "safetensors", "tokenizers"} <= listed
+
+
+def test_truncated_val_bin_is_refused_in_one_line(run, tmp_path):
+    """The validation text for the check is read through data.dataset.open_split: a val.bin
+    shorter than meta.json says is named in one line, and no export is left behind."""
+    data = tmp_path / "data"
+    shutil.copytree(run["data"], data)
+    with open(data / "val.bin", "r+b") as f:
+        f.truncate(os.path.getsize(data / "val.bin") // 2)
+    info = dict(run["ckpt"]["tokenizer"], data_dir=str(data), path=str(data / "tokenizer.model"))
+    out = save_run(tmp_path / "out", dict(run["ckpt"], tokenizer=info), run["ckpt"]["model_args"],
+                   run["ckpt"]["model"])
+    msg = err(f"--out_dir={out}")
+    assert "val.bin" in msg and "meta.json" in msg
+    assert os.listdir(out) == ["ckpt.pt"]
+
+
+def hf_folder_state(path):
+    return {name: (os.path.getmtime(os.path.join(path, name)),
+                   open(os.path.join(path, name), "rb").read()) for name in os.listdir(path)}
+
+
+def test_failed_write_keeps_the_previous_export_and_leaves_no_temp(run, tmp_path, monkeypatch):
+    """The disk fills up (ENOSPC from fsync, as delayed allocation reports it) while the new
+    folder is written: one error line, the previous export exactly as it was, nothing else."""
+    target = tmp_path / "hf"
+    export.main([f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False"])
+    before = hf_folder_state(target)
+    calls = []
+
+    def full_disk(fd):
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full_disk)
+        msg = err(f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False",
+                  "--dtype=float16")
+    assert "No space left" in msg and str(target) in msg
+    assert hf_folder_state(target) == before
+    assert os.listdir(tmp_path) == ["hf"]
+    # and a folder that export did not write is never replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert "did not write" in err(f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'mine'}")
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+
+
+def mount_tmpfs(path, size):
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True)
+    if r.returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    return path
+
+
+def test_full_disk_on_a_real_filesystem(run, tmp_path):
+    """A tmpfs with room for one export, not two: exporting again fails with one line while
+    the first export stays whole and no temp folder remains."""
+    disk = mount_tmpfs(tmp_path / "disk", "400k")
+    try:
+        target = disk / "hf"
+        export.main([f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False"])
+        before = hf_folder_state(target)
+        assert sum(len(data) for _, data in before.values()) > 200_000  # two do not fit
+        msg = err(f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False")
+        assert "No space left" in msg
+        assert hf_folder_state(target) == before and os.listdir(disk) == ["hf"]
+        shutil.rmtree(target)  # room again: the export goes through, as a whole folder
+        export.main([f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False"])
+        assert set(os.listdir(target)) == set(export.HF_FILES)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

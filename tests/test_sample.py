@@ -1,6 +1,6 @@
 """
 sample.py against independent references: the full-sequence decode of the tokens that
-model.generate returns with the same seed, the uncached loop, and sentencepiece's own decode
+generate.generate returns with the same seed, the uncached loop, and sentencepiece's own decode
 of random id sequences. The checkpoints are made here by training a few steps with the real
 train.py on a tiny corpus and a tiny sentencepiece tokenizer built in the test.
 """
@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import sample  # noqa: E402
+import generate as decoding  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from generate import generate  # noqa: E402
 
 BLOCK = 32
 # Steps of a 32-wide model are far too small to split across threads; on a busy 2-core
@@ -109,14 +109,14 @@ def err(capsys, *args):
 
 
 def reference(out_dir, prompt_ids, n, seed, num_samples=1, **kw):
-    """Tokens from model.generate (not the stream) with sample.py's seeding, each row cut at
+    """Tokens from generate.generate (not the stream) with sample.py's seeding, each row cut at
     the first end-of-document token, decoded in one go."""
     ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
     args = dict(ckpt["model_args"], **{k: kw.pop(k) for k in ("rope_scaling", "rope_factor") if k in kw})
     model = RoFormer(RoFormerConfig(**args)).eval()
     model.load_state_dict(ckpt["model"])
     x = torch.tensor(prompt_ids)[None].repeat(num_samples, 1)
-    y = generate(model, x, n, generator=torch.Generator().manual_seed(seed), **kw)
+    y = decoding.generate(model, x, n, generator=torch.Generator().manual_seed(seed), **kw)
     rows = []
     for row in y[:, len(prompt_ids):].tolist():
         rows.append(prompt_ids + (row[:row.index(1)] if 1 in row else row))  # eos_id is 1
@@ -202,7 +202,7 @@ def test_cached_equals_uncached_inside_block(ws, capsys, tmp_path, attention, te
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_stream_equals_decode_of_generated_tokens(ws, capsys, attention):
     """Unicode prompt, high temperature (byte pieces come out), three samples in one batch:
-    each printed sample is the one-shot decode of the tokens model.generate draws with the
+    each printed sample is the one-shot decode of the tokens generate.generate draws with the
     same seed, cut at the end-of-document token."""
     sp, prompt = ws["sp"], "naïve 世界 🙂 λ"
     out = run(capsys, "--out_dir=" + ws[attention], f"--start={prompt}", "--max_new_tokens=40",
@@ -236,6 +236,19 @@ def test_prompt_from_file(ws, capsys, tmp_path):
     from_file = run(capsys, *a, f"--start=FILE:{tmp_path / 'prompt.txt'}").out
     assert from_file == run(capsys, *a, f"--start={text}").out
     assert from_file.startswith(text)
+
+
+def test_prompt_file_is_read_byte_for_byte(ws, capsys, tmp_path):
+    """CRLF line ends (and a lone CR) reach the model as they are in the file: training keeps
+    "\r", so a prompt file must not be turned into other text by newline translation."""
+    text = "def f3(x):\r\n    return x * 3\r\n# café\r"
+    (tmp_path / "crlf.txt").write_bytes(text.encode("utf-8"))
+    assert len(ws["sp"].encode(text)) != len(ws["sp"].encode(text.replace("\r", "")))
+    a = ("--out_dir=" + ws["softmax"], "--temperature=0", "--max_new_tokens=8", "--stop_at_eos=False")
+    from_file = run(capsys, *a, f"--start=FILE:{tmp_path / 'crlf.txt'}").out
+    assert from_file.startswith(text)
+    (ref,) = reference(ws["softmax"], ws["sp"].encode(text), 8, 1337, temperature=0)
+    assert from_file == ws["sp"].decode(ref) + "\n"
 
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
@@ -303,6 +316,23 @@ def test_argument_errors(ws, capsys, tmp_path):
     assert "rope_scaling" in err(capsys, o, "--rope_scaling=yarn")
     assert "compile must be" in err(capsys, o, "--compile=yes")
     assert "use_cache" in err(capsys, o, "--compile=True", "--use_cache=False")
+
+
+def test_sampling_arguments_are_checked_by_generate_before_loading(ws, capsys, tmp_path,
+                                                                    monkeypatch):
+    """One rule for temperature/top_k/top_p (generate.check_sampling), applied before the
+    checkpoint loads: its one-line message reaches the user even with no checkpoint at all."""
+    missing = f"--out_dir={tmp_path / 'nope'}"
+    assert "temperature" in err(capsys, missing, "--temperature=-1")
+    seen = []
+
+    def check(temperature, top_k, top_p):
+        seen.append((temperature, top_k, top_p))
+        raise ValueError("sampling rule says no")
+    monkeypatch.setattr(decoding, "check_sampling", check)
+    assert err(capsys, missing, "--temperature=0.5", "--top_k=0", "--top_p=0.9") == \
+        "error: sampling rule says no"
+    assert seen == [(0.5, None, 0.9)]  # top_k=0 (off) reaches it as None
 
 
 def test_learned_positions_past_block_size_is_an_error_with_cache(ws, capsys, tmp_path):

@@ -1,0 +1,283 @@
+"""
+A run as one GGUF file, the format llama.cpp, ollama and LM Studio read (export.py --gguf).
+
+The model is llama.cpp's `gptneox` architecture, the same block the HF export maps to
+(pre-LayerNorm, GELU MLP, sequential residual, RoPE in the rotate-half layout on the whole
+head). The tokenizer is the run's sentencepiece model written as llama.cpp's `llama` (SPM)
+tokenizer: its pieces, scores and piece types, no space prefix, no BOS, so llama.cpp cuts text
+into the same ids as sentencepiece. The file is written here, directly, because llama.cpp's own
+converter reads only HF folders and refuses (or mis-tokenizes) ours: it would treat our
+tokenizer.json as a byte-level BPE whose pre-tokenizer it does not recognise.
+
+export.py decides what may be exported and where the file goes; this module turns a model and
+its tokenizer into metadata and tensors, writes them, reads them back, and compares the file as
+llama.cpp runs it with our model.
+"""
+import sys
+
+import numpy as np
+import torch
+
+import gguf
+
+ARCH = "gptneox"
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
+
+
+# --- metadata ------------------------------------------------------------------------------
+
+def rope_metadata(c):
+    """(freq_base, context length, linear scaling factor or None) for llama.cpp's RoPE. Static
+    NTK-aware scaling is plain RoPE with a larger base, so it is written as that base; linear
+    scaling (positions divided by the factor) has its own keys."""
+    head_dim = c.n_embd // c.n_head
+    if c.rope_scaling == "ntk":
+        return c.rope_base * c.rope_factor ** (head_dim / (head_dim - 2)), c.context_window, None
+    if c.rope_scaling == "linear" and c.rope_factor != 1.0:
+        return c.rope_base, c.context_window, c.rope_factor
+    return c.rope_base, c.block_size, None
+
+
+def vocabulary(proto, vocab_size):
+    """(pieces, scores, token types) from the sentencepiece model, padded with unused entries up
+    to the model's vocab_size (llama.cpp sizes the embedding from the token list)."""
+    sp_kind = proto.SentencePiece
+    kinds = {sp_kind.NORMAL: gguf.TokenType.NORMAL, sp_kind.UNKNOWN: gguf.TokenType.UNKNOWN,
+             sp_kind.CONTROL: gguf.TokenType.CONTROL, sp_kind.BYTE: gguf.TokenType.BYTE,
+             sp_kind.USER_DEFINED: gguf.TokenType.USER_DEFINED,
+             sp_kind.UNUSED: gguf.TokenType.UNUSED}
+    pieces = [p.piece for p in proto.pieces]
+    scores = [float(p.score) for p in proto.pieces]
+    types = [int(kinds[p.type]) for p in proto.pieces]
+    for i in range(len(pieces), vocab_size):  # rows the model has and the tokenizer never emits
+        pieces.append(f"[PAD{i}]")
+        scores.append(0.0)
+        types.append(int(gguf.TokenType.UNUSED))
+    return pieces, scores, types
+
+
+def gguf_metadata(c, sp, proto, gguf_type, name):
+    """Every key the file gets: {key: (value, GGUFValueType, array item type or None)}."""
+    T, K = gguf.GGUFValueType, gguf.Keys
+    freq_base, context, linear_factor = rope_metadata(c)
+    pieces, scores, types = vocabulary(proto, c.vocab_size)
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
+    meta = {
+        K.General.ARCHITECTURE: (ARCH, T.STRING, None),
+        K.General.NAME: (name, T.STRING, None),
+        K.General.FILE_TYPE: (int(file_type), T.UINT32, None),
+        K.General.QUANTIZATION_VERSION: (gguf.GGML_QUANT_VERSION, T.UINT32, None),
+        K.LLM.VOCAB_SIZE: (c.vocab_size, T.UINT32, None),
+        K.LLM.CONTEXT_LENGTH: (context, T.UINT32, None),
+        K.LLM.EMBEDDING_LENGTH: (c.n_embd, T.UINT32, None),
+        K.LLM.FEED_FORWARD_LENGTH: (4 * c.n_embd, T.UINT32, None),
+        K.LLM.BLOCK_COUNT: (c.n_layer, T.UINT32, None),
+        K.LLM.USE_PARALLEL_RESIDUAL: (False, T.BOOL, None),  # x + attn(ln1(x)), then + mlp(ln2(.))
+        K.Attention.HEAD_COUNT: (c.n_head, T.UINT32, None),
+        K.Attention.LAYERNORM_EPS: (LAYER_NORM_EPS, T.FLOAT32, None),
+        K.Rope.DIMENSION_COUNT: (c.n_embd // c.n_head, T.UINT32, None),  # the whole head rotates
+        K.Rope.FREQ_BASE: (float(freq_base), T.FLOAT32, None),
+        K.Tokenizer.MODEL: ("llama", T.STRING, None),  # llama.cpp's name for sentencepiece (SPM)
+        K.Tokenizer.LIST: (pieces, T.ARRAY, T.STRING),
+        K.Tokenizer.SCORES: (scores, T.ARRAY, T.FLOAT32),
+        K.Tokenizer.TOKEN_TYPE: (types, T.ARRAY, T.INT32),
+        K.Tokenizer.EOS_ID: (sp.eos_id(), T.UINT32, None),  # end of document
+        K.Tokenizer.UNK_ID: (sp.unk_id(), T.UINT32, None),
+        K.Tokenizer.PAD_ID: (sp.eos_id(), T.UINT32, None),  # as the HF export's pad_token
+        # documents start after EOS and no BOS is ever trained; our tokenizer adds no "▁" prefix
+        K.Tokenizer.ADD_BOS: (False, T.BOOL, None),
+        K.Tokenizer.ADD_EOS: (False, T.BOOL, None),
+        K.Tokenizer.ADD_PREFIX: (False, T.BOOL, None),
+        K.Tokenizer.REMOVE_EXTRA_WS: (False, T.BOOL, None),
+    }
+    if sp.bos_id() >= 0:  # named, so that llama.cpp does not guess one; never added
+        meta[K.Tokenizer.BOS_ID] = (sp.bos_id(), T.UINT32, None)
+    if linear_factor:
+        meta[K.Rope.SCALING_TYPE] = ("linear", T.STRING, None)
+        meta[K.Rope.SCALING_FACTOR] = (float(linear_factor), T.FLOAT32, None)
+        meta[K.Rope.SCALING_ORIG_CTX_LEN] = (c.block_size, T.UINT32, None)
+    return {key.format(arch=ARCH): value for key, value in meta.items()}
+
+
+# --- tensors -------------------------------------------------------------------------------
+
+def tensor_names(n_layer):
+    """{our state-dict name without .weight/.bias: llama.cpp's gptneox name without them}. The
+    output head is tied to wte, so `output` is written from wte (see gguf_tensors)."""
+    names = gguf.TENSOR_NAMES
+    M = gguf.MODEL_TENSOR
+    out = {"wte": names[M.TOKEN_EMBD], "ln_f": names[M.OUTPUT_NORM]}
+    for i in range(n_layer):
+        for ours, theirs in (("ln_1", M.ATTN_NORM), ("attn.c_attn", M.ATTN_QKV),
+                             ("attn.c_proj", M.ATTN_OUT), ("ln_2", M.FFN_NORM),
+                             ("mlp.c_fc", M.FFN_UP), ("mlp.c_proj", M.FFN_DOWN)):
+            out[f"blocks.{i}.{ours}"] = names[theirs].format(bid=i)
+    return out
+
+
+def encode_tensor(weight, gguf_type):
+    """float32 numpy array -> (array as stored, its GGML type). Only 2-D weights are rounded:
+    llama.cpp keeps norms and biases in float32, and q8_0 blocks run along a row of 32, so a
+    weight whose rows are not a multiple of 32 falls back to f16."""
+    Q = gguf.GGMLQuantizationType
+    if weight.ndim == 1 or gguf_type == "f32":
+        return weight.astype(np.float32), Q.F32
+    if gguf_type == "q8_0" and weight.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] == 0:
+        return gguf.quants.quantize(weight, Q.Q8_0), Q.Q8_0
+    return weight.astype(np.float16), Q.F16
+
+
+def gguf_tensors(model, gguf_type):
+    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. Our c_attn rows are
+    [q | k | v], each n_head x head_dim, which is how llama.cpp's gptneox graph splits
+    attn_qkv (views at offsets 0, n_embd, 2 n_embd), so it is written as it is. llama.cpp's
+    gptneox loader requires a bias for every linear layer and LayerNorm: a bias-free model gets
+    zeros (adding zero changes nothing)."""
+    c = model.config
+    state = {k: v.detach().to(device="cpu", dtype=torch.float32).numpy()
+             for k, v in model.state_dict().items()}
+    out = {}
+    for ours, theirs in tensor_names(c.n_layer).items():
+        weight = state[ours + ".weight"]
+        out[theirs + ".weight"] = (*encode_tensor(weight, gguf_type), weight.shape)
+        if ours != "wte":
+            bias = state.get(ours + ".bias", np.zeros(weight.shape[0], dtype=np.float32))
+            out[theirs + ".bias"] = (*encode_tensor(bias, gguf_type), bias.shape)
+    head = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
+    out[head] = out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"]  # tied head
+    return out
+
+
+# --- writing and reading back --------------------------------------------------------------
+
+def write_gguf(path, metadata, tensors):
+    """Write the file at `path` (export.py passes a temp name and renames it when checked)."""
+    writer = gguf.GGUFWriter(path, ARCH)
+    for key, (value, vtype, item_type) in metadata.items():
+        if key != gguf.Keys.General.ARCHITECTURE:  # the writer adds it
+            writer.add_key_value(key, value, vtype, sub_type=item_type)
+    for name, (array, ggml_type, _) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=ggml_type)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
+def same_value(found, expected, vtype, item_type):
+    T = gguf.GGUFValueType
+    if T.FLOAT32 in (vtype, item_type):  # stored as float32: compare at that precision
+        return np.array_equal(np.float32(found), np.float32(expected))
+    return found == expected
+
+
+def verify_gguf(path, metadata, tensors):
+    """Read the file back with gguf.GGUFReader: every key written with its type and value, every
+    tensor with its name, shape, type and bytes. Returns a list of problems (empty: all there)."""
+    reader = gguf.GGUFReader(path)
+    problems = []
+    for key, (value, vtype, item_type) in metadata.items():
+        field = reader.get_field(key)
+        if field is None:
+            problems.append(f"key {key} missing")
+        elif field.types[0] != vtype or (item_type is not None and field.types[-1] != item_type):
+            problems.append(f"key {key} has type {field.types}")
+        elif not same_value(field.contents(), value, vtype, item_type):
+            problems.append(f"key {key} holds another value")
+    found = {t.name: t for t in reader.tensors}
+    if set(found) != set(tensors):
+        problems.append(f"tensors differ: {sorted(set(found) ^ set(tensors))[:4]}")
+    for name, (array, ggml_type, shape) in tensors.items():
+        t = found.get(name)
+        if t is None:
+            continue
+        if t.tensor_type != ggml_type or tuple(int(n) for n in t.shape[::-1]) != tuple(shape):
+            problems.append(f"tensor {name}: {t.tensor_type.name} {list(t.shape)}, expected "
+                            f"{ggml_type.name} {list(shape)[::-1]}")
+        elif not np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8),
+                                array.reshape(-1).view(np.uint8)):
+            problems.append(f"tensor {name}: stored bytes differ")
+    return problems
+
+
+def weights_from_gguf(path, model):
+    """A copy of `model` with the weights the file holds (dequantized to float32): the model
+    llama.cpp runs, computed our way, which the checks and tests compare against."""
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
+                                                 dtype=np.float32)).reshape(
+                  [int(n) for n in t.shape[::-1]]) for t in reader.tensors}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for ours, theirs in tensor_names(model.config.n_layer).items():
+        for part in ("weight", "bias"):
+            if f"{ours}.{part}" in state:
+                state[f"{ours}.{part}"] = stored[f"{theirs}.{part}"]
+    if "lm_head.weight" in state:  # the tied head
+        state["lm_head.weight"] = state["wte.weight"]
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(state)
+    return copy
+
+
+# --- llama.cpp against our model -----------------------------------------------------------
+
+def llama_cpp_greedy(llm, prompt_ids, n_new):
+    """n_new greedy tokens from llama.cpp's logits (argmax, no sampler in between)."""
+    llm.reset()
+    llm.eval(prompt_ids)
+    out = []
+    for _ in range(n_new):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(out[-1:])
+    return out
+
+
+def check_with_llama_cpp(path, model, sp, text):
+    """Where llama-cpp-python is installed: run the file, print one line comparing it with our
+    model, and return whether it matches (same ids; logits within 5% of their scale). Without
+    it: a note, and True."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("note: llama-cpp-python is not installed, so llama.cpp did not run the file "
+              "(pip install llama-cpp-python to check it here)", file=sys.stderr)
+        return True
+    result = compare_with_llama_cpp(path, model, sp, text)
+    print(f"check: llama.cpp {llama_cpp.__version__} loads it; token ids equal to sentencepiece "
+          f"on {result['texts'] - result['texts_differing']}/{result['texts']} texts; max |logit "
+          f"difference| {result['max_logit_diff']:.2e} on {result['positions']} positions (against "
+          f"our model with the file's weights); greedy {result['greedy_tokens']} tokens "
+          f"{'equal' if result['greedy_equal'] else 'DIFFER'}", file=sys.stderr)
+    return not result["texts_differing"] and \
+        result["max_logit_diff"] <= 0.05 * result["logit_scale"]
+
+
+@torch.no_grad()
+def compare_with_llama_cpp(path, model, sp, text, n_greedy=24):
+    """Run the file in llama.cpp (llama-cpp-python) and compare it with our model holding the
+    file's weights: token ids against sentencepiece on each line of `text` and on all of it, the
+    logits of one window of it, and greedy decoding from its start."""
+    import llama_cpp
+
+    from generate import generate
+    reference = weights_from_gguf(path, model)
+    window = model.config.context_window
+    llm = llama_cpp.Llama(model_path=path, n_ctx=window, logits_all=True, verbose=False)
+    texts = text.split("\n") + [text]
+    differing = sum(llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) != sp.encode(t)
+                    for t in texts)
+    ids = [sp.eos_id()] + sp.encode(text)[:window - 1]  # a document starts after EOS
+    llm.reset()
+    llm.eval(ids)
+    theirs = np.array(llm.scores[:len(ids)], dtype=np.float64)
+    ours = reference(torch.tensor([ids]))[0][0].double().numpy()
+    prompt = ids[:max(1, min(8, len(ids)))]
+    n_new = min(n_greedy, window - len(prompt))
+    greedy_ours = generate(reference, torch.tensor([prompt]), n_new, temperature=0)[0, len(prompt):]
+    return {"texts": len(texts), "texts_differing": differing, "positions": len(ids),
+            "max_logit_diff": float(np.abs(theirs - ours).max()),
+            "logit_scale": float(np.abs(ours).max()), "greedy_tokens": n_new,
+            "greedy_equal": greedy_ours.tolist() == llama_cpp_greedy(llm, prompt, n_new)}

@@ -1,0 +1,442 @@
+"""
+export.py --gguf against independent references: gguf's own reader (every key and tensor as
+written), sentencepiece's API for the vocabulary, a float64 forward pass written here from
+llama.cpp's gptneox graph (how it splits attn_qkv, rotates, normalises) over the file's
+tensors against our model's logits, and, where llama-cpp-python is installed, llama.cpp itself
+(its tokenizer, its logits, its greedy decoding, its bits per byte against eval.py's).
+"""
+import errno
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+spm = pytest.importorskip("sentencepiece")
+gguf = pytest.importorskip("gguf", reason="export.py --gguf writes with the gguf package")
+import eval as evalpy  # noqa: E402
+import export  # noqa: E402
+import generate as decoding  # noqa: E402
+import gguf_export  # noqa: E402
+from data.tokenizer import train_tokenizer  # noqa: E402
+from model import RoFormer, RoFormerConfig  # noqa: E402
+from test_eval import BLOCK, corpus_docs, make_run, one_line_error, one_thread  # noqa: E402,F401
+from test_export import save_run, tricky_texts  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+TYPES = ("f32", "f16", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A briefly trained run, exported as f32, f16 and q8_0 GGUF files (without the llama.cpp
+    check), with the model and tokenizer loaded independently."""
+    root = tmp_path_factory.mktemp("gguf")
+    out, data = make_run(str(root))
+    files = {}
+    for kind in TYPES:
+        files[kind] = str(root / f"model-{kind}.gguf")
+        export.main([f"--out_dir={out}", f"--gguf={files[kind]}", f"--gguf_type={kind}",
+                     "--check=False"])
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    model = RoFormer(RoFormerConfig(**ckpt["model_args"])).eval()
+    model.load_state_dict(ckpt["model"])
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(data, "tokenizer.model"))
+    return {"root": root, "out": out, "data": data, "ckpt": ckpt, "model": model, "sp": sp,
+            "files": files}
+
+
+def err(*args):
+    return one_line_error(export.main, list(args))
+
+
+def fields(path):
+    reader = gguf.GGUFReader(path)
+    return reader, {name: f.contents() for name, f in reader.fields.items()
+                    if not name.startswith("GGUF.")}
+
+
+def tensor(reader, name):
+    """A tensor of the file, dequantized, in torch's (out, in) order."""
+    t = {t.name: t for t in reader.tensors}[name]
+    values = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+    return values.reshape([int(n) for n in t.shape[::-1]])
+
+
+def expected_names(n_layer):
+    names = {"token_embd.weight", "output_norm.weight", "output_norm.bias", "output.weight"}
+    for i in range(n_layer):
+        for part in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"):
+            names |= {f"blk.{i}.{part}.weight", f"blk.{i}.{part}.bias"}
+    return names
+
+
+# --- the file as gguf's reader sees it ------------------------------------------------------
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_metadata_and_vocabulary_read_back(run, kind):
+    c, sp = run["model"].config, run["sp"]
+    _, meta = fields(run["files"][kind])
+    head = c.n_embd // c.n_head
+    assert meta["general.architecture"] == "gptneox"
+    assert meta["general.file_type"] == {"f32": 0, "f16": 1, "q8_0": 7}[kind]
+    want = {"context_length": c.block_size, "embedding_length": c.n_embd,
+            "feed_forward_length": 4 * c.n_embd, "block_count": c.n_layer,
+            "attention.head_count": c.n_head, "rope.dimension_count": head,
+            "use_parallel_residual": False}
+    for key, value in want.items():
+        assert meta[f"gptneox.{key}"] == value, key
+    assert meta["gptneox.rope.freq_base"] == pytest.approx(c.rope_base)
+    assert meta["gptneox.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    assert not any("rope.scaling" in key for key in meta)
+    # the tokenizer, against sentencepiece's own API
+    n = sp.get_piece_size()
+    assert meta["tokenizer.ggml.model"] == "llama"
+    assert meta["tokenizer.ggml.tokens"][:n] == [sp.id_to_piece(i) for i in range(n)]
+    assert np.array_equal(np.float32(meta["tokenizer.ggml.scores"][:n]),
+                          np.float32([sp.get_score(i) for i in range(n)]))
+    types = meta["tokenizer.ggml.token_type"]
+    for i in range(n):
+        if sp.is_byte(i):
+            assert types[i] == gguf.TokenType.BYTE
+        elif sp.is_control(i):
+            assert types[i] == gguf.TokenType.CONTROL
+        elif sp.is_unknown(i):
+            assert types[i] == gguf.TokenType.UNKNOWN
+        elif sp.id_to_piece(i) == "\n":  # the fixed newline piece data/tokenizer.py adds
+            assert types[i] == gguf.TokenType.USER_DEFINED
+        else:
+            assert types[i] == gguf.TokenType.NORMAL
+    assert sum(t == gguf.TokenType.BYTE for t in types) == 256
+    assert len(types) == len(meta["tokenizer.ggml.tokens"]) == c.vocab_size
+    assert meta["tokenizer.ggml.eos_token_id"] == sp.eos_id()
+    assert meta["tokenizer.ggml.unknown_token_id"] == sp.unk_id()
+    for flag in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        assert meta[f"tokenizer.ggml.{flag}"] is False
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_tensor_names_shapes_and_types(run, kind):
+    c = run["model"].config
+    reader, _ = fields(run["files"][kind])
+    found = {t.name: t for t in reader.tensors}
+    assert set(found) == expected_names(c.n_layer)
+    arch_tensors = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.GPTNEOX]}
+    assert {n.rsplit(".", 1)[0].replace(n.split(".")[1], "{bid}") if n.startswith("blk.")
+            else n.rsplit(".", 1)[0] for n in found} <= arch_tensors
+    C, V = c.n_embd, c.vocab_size
+    ne = {"token_embd": [C, V], "output": [C, V], "attn_qkv": [C, 3 * C], "attn_output": [C, C],
+          "ffn_up": [C, 4 * C], "ffn_down": [4 * C, C]}  # ggml order: row length first
+    for name, t in found.items():
+        part = name.split(".")[-2]
+        if name.endswith(".weight") and part in ne:
+            assert list(t.shape) == ne[part], name
+            assert t.tensor_type == {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}[kind], name
+        else:  # norms and biases stay float32
+            assert len(t.shape) == 1 and t.tensor_type == Q.F32, name
+
+
+def test_f32_values_tied_head_and_zero_biases(run):
+    """The f32 file holds our weights exactly; the output head is the embedding; a bias-free
+    model's biases (llama.cpp's gptneox requires them) are zeros."""
+    reader, _ = fields(run["files"]["f32"])
+    state = run["model"].state_dict()
+    assert np.array_equal(tensor(reader, "token_embd.weight"), state["wte.weight"].double())
+    assert np.array_equal(tensor(reader, "output.weight"), state["wte.weight"].double())
+    assert np.array_equal(tensor(reader, "blk.1.ffn_down.weight"),
+                          state["blocks.1.mlp.c_proj.weight"].double())
+    assert np.array_equal(tensor(reader, "output_norm.weight"), state["ln_f.weight"].double())
+    assert not run["model"].config.bias
+    for t in reader.tensors:
+        if t.name.endswith(".bias"):
+            assert not np.any(np.asarray(t.data)), t.name
+
+
+def test_sizes_half_and_about_a_quarter(run, tmp_path):
+    """A wider random model (so the tokenizer's metadata is small beside the weights): f16 is
+    about half of f32, q8_0 (34 bytes per 32 weights) about a quarter."""
+    args = dict(run["ckpt"]["model_args"], n_embd=128, n_head=4, n_layer=3)
+    state = RoFormer(RoFormerConfig(**args)).state_dict()
+    out = save_run(tmp_path / "out", run["ckpt"], args, state)
+    size = {}
+    for kind in TYPES:
+        export.main([f"--out_dir={out}", f"--gguf={tmp_path / kind}.gguf", f"--gguf_type={kind}",
+                     "--check=False"])
+        size[kind] = os.path.getsize(f"{tmp_path / kind}.gguf")
+    assert 0.48 < size["f16"] / size["f32"] < 0.53
+    assert 0.25 < size["q8_0"] / size["f32"] < 0.29
+
+
+# --- the file computes our model -------------------------------------------------------------
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
+
+
+def neox_rope(x, base, freq_scale=1.0):
+    """llama.cpp's NEOX rotation (rope type 2): channel i pairs with i + d/2, angle
+    position * freq_scale * base^(-2i/d). x: (T, H, D)."""
+    T, _, D = x.shape
+    theta = base ** (-np.arange(D // 2, dtype=np.float64) * 2 / D)
+    angle = (np.arange(T)[:, None] * freq_scale * theta)[:, None, :]
+    a, b = x[..., :D // 2], x[..., D // 2:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle),
+                           a * np.sin(angle) + b * np.cos(angle)], -1)
+
+
+def gptneox_forward(path, ids):
+    """Logits of the file's model, in float64, following llama.cpp's gptneox graph: Q, K, V
+    are the views of attn_qkv's output at offsets 0, n_embd and 2 n_embd, heads of
+    n_embd_head channels each; sequential residual; GELU MLP; tied output."""
+    reader, meta = fields(path)
+    W = lambda name: tensor(reader, name)  # noqa: E731
+    H = meta["gptneox.attention.head_count"]
+    base = meta["gptneox.rope.freq_base"]
+    freq_scale = 1.0 / meta.get("gptneox.rope.scaling.factor", 1.0)
+    x = W("token_embd.weight")[ids]
+    T, C = x.shape
+    causal = np.triu(np.full((T, T), -np.inf), 1)
+    for i in range(meta["gptneox.block_count"]):
+        b = f"blk.{i}."
+        h = layer_norm(x, W(b + "attn_norm.weight"), W(b + "attn_norm.bias"))
+        qkv = h @ W(b + "attn_qkv.weight").T + W(b + "attn_qkv.bias")
+        q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, C // H) for j in range(3))
+        q, k = neox_rope(q, base, freq_scale), neox_rope(k, base, freq_scale)
+        scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(C // H) + causal
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        attn = np.einsum("hts,shd->thd", p, v).reshape(T, C)
+        x = x + attn @ W(b + "attn_output.weight").T + W(b + "attn_output.bias")
+        h = layer_norm(x, W(b + "ffn_norm.weight"), W(b + "ffn_norm.bias"))
+        up = h @ W(b + "ffn_up.weight").T + W(b + "ffn_up.bias")
+        gelu = 0.5 * up * (1 + np.vectorize(math.erf)(up / math.sqrt(2)))
+        x = x + gelu @ W(b + "ffn_down.weight").T + W(b + "ffn_down.bias")
+    x = layer_norm(x, W("output_norm.weight"), W("output_norm.bias"))
+    return x @ W("output.weight").T
+
+
+def sharp_run(run, folder, **changes):
+    """Fresh weights with q and k x10, so that positions (and so the qkv split and the
+    rotation) steer the logits; saved as a run in `folder`."""
+    args = dict(run["ckpt"]["model_args"], **changes)
+    torch.manual_seed(3)
+    model = RoFormer(RoFormerConfig(**args)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_attn.weight"):
+                p[:2 * args["n_embd"]] *= 10.0
+    return model, save_run(folder, run["ckpt"], args, model.state_dict())
+
+
+@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("linear", 2.0), ("ntk", 4.0)])
+def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scaling, factor):
+    """qkv layout, rotation and RoPE scaling: the float64 gptneox forward over the f32 file
+    gives our model's logits (so q/k/v come back out of attn_qkv exactly as ours), and it
+    would not if the heads were interleaved the HF way or the scaling dropped."""
+    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor)
+    path = str(tmp_path / "m.gguf")
+    export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
+    ids = torch.randint(0, model.config.vocab_size, (2 * BLOCK,),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids[None])[0][0].double().numpy()
+    assert np.abs(gptneox_forward(path, ids.numpy()) - ours).max() < 1e-4
+    _, meta = fields(path)
+    head = model.config.n_embd // model.config.n_head
+    assert meta["gptneox.context_length"] == int(BLOCK * factor)
+    if scaling == "linear":
+        assert meta["gptneox.rope.scaling.type"] == "linear"
+        assert meta["gptneox.rope.scaling.factor"] == pytest.approx(factor)
+    elif scaling == "ntk":  # NTK-aware scaling is RoPE with a larger base
+        assert meta["gptneox.rope.freq_base"] == pytest.approx(
+            model.config.rope_base * factor ** (head / (head - 2)), rel=1e-6)
+    # the HF layout (per head [q, k, v]) would be another model
+    reader, _ = fields(path)
+    qkv = tensor(reader, "blk.0.attn_qkv.weight")
+    C, H = model.config.n_embd, model.config.n_head
+    q_ours = model.state_dict()["blocks.0.attn.c_attn.weight"][:C].double().numpy()
+    assert np.array_equal(qkv[:C], q_ours)
+    assert not np.allclose(qkv.reshape(3, H, C // H, C).transpose(1, 0, 2, 3).reshape(3 * C, C)[:C],
+                           q_ours)
+
+
+# --- refusals and failures -------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,reason", [({"attention": "linear"}, "linear attention"),
+                                           ({"pos_encoding": "sinusoidal"}, "only through RoPE"),
+                                           ({"pos_encoding": "learned"}, "only through RoPE")])
+def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason):
+    args = dict(run["ckpt"]["model_args"], **change)
+    state = RoFormer(RoFormerConfig(**args)).state_dict()
+    out = save_run(tmp_path / "out", run["ckpt"], args, state)
+    msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'm.gguf'}", "--check=False")
+    assert reason in msg and "cannot export" in msg
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_unigram_tokenizer_and_bad_arguments_are_refused(run, tmp_path, monkeypatch):
+    lines = [l for _, d in corpus_docs() for l in d.split("\n") if l.strip()]
+    uni = spm.SentencePieceProcessor(model_proto=train_tokenizer(lines, 330, "unigram")[0])
+    assert "unigram" in one_line_error(export.sentencepiece_proto, uni)
+    o = f"--out_dir={run['out']}"
+    assert "gguf_type" in err(o, f"--gguf={tmp_path / 'm.gguf'}", "--gguf_type=q4_0")
+    assert "is a folder" in err(o, f"--gguf={tmp_path}")
+    with monkeypatch.context() as m:
+        for name in [n for n in sys.modules if n.split(".")[0] == "gguf"]:
+            m.setitem(sys.modules, name, None)
+        assert "'gguf' package" in err(o, f"--gguf={tmp_path / 'm.gguf'}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_write_keeps_the_previous_file(run, tmp_path, monkeypatch):
+    """ENOSPC when the new file is synced: one line, the previous file unchanged, no temp."""
+    path = tmp_path / "m.gguf"
+    export.main([f"--out_dir={run['out']}", f"--gguf={path}", "--check=False"])
+    before = path.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full_disk)
+        msg = err(f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32", "--check=False")
+    assert "No space left" in msg
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["m.gguf"]
+
+
+def test_full_disk_on_a_real_filesystem(run, tmp_path):
+    from test_export import mount_tmpfs
+    disk = mount_tmpfs(tmp_path / "disk", "300k")
+    try:
+        path = disk / "m.gguf"
+        export.main([f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32",
+                     "--check=False"])
+        before = path.read_bytes()
+        assert len(before) > 150_000  # two do not fit
+        msg = err(f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32", "--check=False")
+        assert "No space left" in msg or "disk full" in msg  # numpy's short write has no errno
+        assert path.read_bytes() == before and os.listdir(disk) == ["m.gguf"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+# --- llama.cpp runs it (llama-cpp-python: not installed by CI, it compiles for ~25 minutes) ----
+
+def llama(path, n_ctx=BLOCK):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, logits_all=True, verbose=False)
+
+
+def llama_bits_per_byte(llm, ids, nbytes, block, stride):
+    """eval.py's rule, computed here from llama.cpp's logits: target t of ids (t >= 1) is scored
+    with the context ids[k * stride : t], k = max(0, ceil((t - block) / stride)); total nats in
+    bits over nbytes."""
+    by_window = {}
+    for t in range(1, len(ids)):
+        by_window.setdefault(max(0, -(-(t - block) // stride)), []).append(t)
+    nats = 0.0
+    for k, targets in by_window.items():
+        start = k * stride
+        llm.reset()
+        llm.eval(ids[start:max(targets)])
+        logits = np.array(llm.scores[:max(targets) - start], dtype=np.float64)
+        for t in targets:
+            row = logits[t - 1 - start]
+            top = row.max()
+            nats += top + math.log(np.exp(row - top).sum()) - row[ids[t]]
+    return nats / math.log(2) / nbytes
+
+
+def test_llama_cpp_greedy_equals_ours(run):
+    """Greedy decoding of 24 tokens from three prompts: llama.cpp running each file gives our
+    model's tokens (our model holding the file's weights; for f32 those are ours exactly)."""
+    sp = run["sp"]
+    prompts = ["def value_1(x):\n    return", "the model print", "data: 世界 你好 🙂"]
+    for kind, path in run["files"].items():
+        llm = llama(path)
+        reference = gguf_export.weights_from_gguf(path, run["model"])
+        for prompt in prompts:
+            ids = [sp.eos_id()] + sp.encode(prompt)
+            ours = decoding.generate(reference, torch.tensor([ids]), 24, temperature=0)
+            assert gguf_export.llama_cpp_greedy(llm, ids, 24) == ours[0, len(ids):].tolist(), \
+                (kind, prompt)
+    ours = decoding.generate(run["model"], torch.tensor([ids]), 24, temperature=0)
+    assert gguf_export.llama_cpp_greedy(llama(run["files"]["f32"]), ids, 24) == \
+        ours[0, len(ids):].tolist()
+
+
+def test_llama_cpp_tokenizer_equals_sentencepiece(run):
+    """A few hundred documents, plus runs of spaces, byte-fallback characters and text that
+    looks like special pieces: llama.cpp's ids are sentencepiece's, and decode back."""
+    sp, llm = run["sp"], llama(run["files"]["f16"])
+    texts = [doc for _, doc in corpus_docs(300, seed=7)] + tricky_texts(seed=3, n_random=300)
+    assert len(texts) > 600
+    bad = [t for t in texts
+           if llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) != sp.encode(t)]
+    assert not bad, f"{len(bad)} of {len(texts)} differ, e.g. {bad[0]!r}"
+    undecoded = [t for t in texts[:300] if llm.detokenize(sp.encode(t)).decode("utf-8") != t]
+    assert not undecoded, undecoded[0]
+
+
+def test_llama_cpp_bits_per_byte_q8_0_within_two_percent_of_f32(run, capsys):
+    """On the run's val.bin, with eval.py's windows: q8_0 within 2% of f32, and llama.cpp's f32
+    within 0.1% of eval.py's own number."""
+    sp = run["sp"]
+    meta = json.load(open(os.path.join(run["data"], "meta.json")))
+    val = np.fromfile(os.path.join(run["data"], "val.bin"), dtype=meta["dtype"]).tolist()
+    ids, nbytes = [sp.eos_id()] + val, len(sp.decode(val).encode("utf-8"))
+    bpb = {kind: llama_bits_per_byte(llama(path), ids, nbytes, BLOCK, BLOCK // 2)
+           for kind, path in run["files"].items()}
+    capsys.readouterr()
+    evalpy.main([f"--out_dir={run['out']}", "--split=val", "--json"])
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bits_per_byte"]
+    with capsys.disabled():
+        print(f"\nbits per byte on val.bin: eval.py {ours:.5f}; llama.cpp " +
+              ", ".join(f"{k} {v:.5f}" for k, v in bpb.items()))
+    assert abs(bpb["q8_0"] - bpb["f32"]) < 0.02 * bpb["f32"]
+    assert abs(bpb["f32"] - ours) < 1e-3 * ours
+
+
+def test_export_check_line_reports_a_match(run, capsys, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    export.main([f"--out_dir={run['out']}", f"--gguf={tmp_path / 'm.gguf'}", "--gguf_type=q8_0"])
+    line = [l for l in capsys.readouterr().err.splitlines() if l.startswith("check:")][0]
+    n = line.split("sentencepiece on ")[1].split()[0]
+    assert n.split("/")[0] == n.split("/")[1] and int(n.split("/")[1]) > 10
+    assert "greedy 24 tokens equal" in line
+
+
+@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("linear", 2.0), ("ntk", 4.0)])
+def test_llama_cpp_logits_equal_ours_with_rope_scaling(run, tmp_path, scaling, factor):
+    """Sharp attention (positions matter) over twice block_size: llama.cpp's logits for the f32
+    file are ours, with linear scaling read from its keys and NTK as its larger base."""
+    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor)
+    path = str(tmp_path / "m.gguf")
+    export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
+    ids = torch.randint(0, model.config.vocab_size, (int(BLOCK * factor),),
+                        generator=torch.Generator().manual_seed(1))
+    llm = llama(path, n_ctx=len(ids))
+    llm.eval(ids.tolist())
+    theirs = np.array(llm.scores[:len(ids)])
+    with torch.no_grad():
+        ours = model(ids[None])[0][0].numpy()
+    assert np.abs(theirs - ours).max() < 1e-2 * np.abs(ours).max()
+    if scaling != "none":  # llama.cpp applied the scaling: without it the logits move 10x more
+        args = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model_args"]
+        plain = RoFormer(RoFormerConfig(**dict(args, rope_scaling="none", rope_factor=1.0))).eval()
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            unscaled = plain(ids[None])[0][0].numpy()
+        assert np.abs(theirs - ours).max() < 0.1 * np.abs(unscaled - ours).max()
+
+
+def test_without_llama_cpp_the_check_is_a_note(run, capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it now raises ImportError
+    export.main([f"--out_dir={run['out']}", f"--gguf={tmp_path / 'm.gguf'}"])
+    assert "note: llama-cpp-python is not installed" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["m.gguf"]
