@@ -5,19 +5,34 @@ are comparable (timings on a shared machine are noisy; read the ratios).
 
     python bench/train.py                    # CPU, config/small.py's shape
     python bench/train.py --steps=20 --compile=False
-    python bench/train.py --overhead=True    # train.py's own step vs a bare step, see below
+    python bench/train.py --overhead=True    # train.py's step vs a plain nanoGPT-like step
+    python bench/train.py --whole=True       # the whole 300-iteration command, both ways
+    python bench/train.py --profile=True     # torch.profiler: what train.py adds per step
+    python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
 
 MFU is model FLOPs (model.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
 the numbers stay comparable with the CPU ones).
 
---overhead=True times train.py's own loop against a bare step on the same model, at
-nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12, vocab 65, float32,
-eager): train.py runs in this process on random tokens, and one iteration is the time
-between two optimizer.zero_grad calls, so everything train.py does per step (drawing the
-batch, logging, checks) is counted. The bare step is forward, backward, clip, AdamW,
-zero_grad on a batch that stays put. Rounds alternate --rounds times between the two (each
-round --steps steps, the first --warmup of each dropped); medians are reported.
+The last three run at nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12,
+vocab 65, float32, eager, AdamW, clip 1.0) on random tokens, at each of --threads torch
+threads. The reference is a nanoGPT-equivalent written here (PlainGPT, plain_steps): learned
+positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head, torch's
+AdamW with weight decay on the matrices, and a plain loop (lr write, a batch drawn from a fresh
+memmap, forward, backward, clip, step, zero_grad, loss.item()).
+--overhead=True: per-iteration time, one iteration being the time between two
+optimizer.zero_grad calls, of (1) that plain step, (2) the same plain loop on our RoFormer with
+learned positions, (3) on our RoFormer with RoPE, (4) train.py itself, run in this process, so
+everything it does per step (batch, logging, checks) counts. --rounds rounds, each runs all
+four (the order rotates every round), --steps steps each with the first --warmup dropped;
+medians and per-round ratios are reported. (2)/(1): the model's code apart from positions,
+(3)/(2): RoPE, (4)/(3): train.py's loop.
+--whole=True: wall time of `python train.py` for --iters iterations (evaluating at 0,
+--eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
+them) against `python bench/train.py --plain_run=DIR`: PlainGPT's plain loop with the same
+evaluations and checkpoint writes; alternated over --rounds rounds.
+--profile=True: torch.profiler over --steps iterations of train.py and of the plain loop on
+our RoFormer (RoPE): per-iteration CPU time by op for each, and the ops where they differ.
 """
 import contextlib
 import json
@@ -25,12 +40,15 @@ import os
 import runpy
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configurator import ConfigError, configure  # noqa: E402
@@ -38,36 +56,131 @@ from model import RoFormer, RoFormerConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
-            "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5}
+            "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5, "whole": False,
+            "profile": False, "threads": "1,2", "iters": 300, "eval_interval": 250,
+            "eval_iters": 20, "plain_run": "", "adamw_step": False}
 try:
     args = configure(defaults, sys.argv[1:])
 except ConfigError as e:
     sys.exit(f"error: {e}")
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, vocab_size=65)
+LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.99)
 
 
-def zero_grad_clock():
-    """Make every optimizer's zero_grad record the time it returns; the list of stamps."""
-    stamps, real = [], torch.optim.Optimizer.zero_grad
+class PlainBlock(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd, bias=False), nn.LayerNorm(n_embd, bias=False)
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
+        self.attn_proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
+        self.mlp_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        heads = self.c_attn(self.ln_1(x)).view(B, T, 3, self.n_head, C // self.n_head)
+        q, k, v = heads.permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class PlainGPT(nn.Module):
+    """The nanoGPT-equivalent reference: learned absolute positions, tied head."""
+
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(PlainBlock(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=False)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / (2 * n_layer) ** 0.5 if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def plain_model(kind):
+    torch.manual_seed(1337)
+    shape = {k: v for k, v in RECIPE.items() if k != "batch_size"}
+    if kind == "plain":
+        return PlainGPT(**shape)
+    return RoFormer(RoFormerConfig(pos_encoding=kind, **shape))
+
+
+def plain_optimizer(model):
+    params = list(model.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2],
+                               "weight_decay": WEIGHT_DECAY},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=LR, betas=BETAS)
+
+
+def plain_batch(data_dir, split, gen):
+    data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
+    T = RECIPE["block_size"]
+    start = gen.integers(0, len(data) - T, RECIPE["batch_size"])
+    window = torch.from_numpy(data[start[:, None] + np.arange(T + 1)].astype(np.int64))
+    return window[:, :-1], window[:, 1:]
+
+
+def plain_steps(model, opt, data_dir, n, gen, it0=0):
+    """n iterations of the plain loop; returns the last loss."""
+    for it in range(it0, it0 + n):
+        lr = LR * min(1.0, (it + 1) / 100)  # warmup, as a schedule costs
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = plain_batch(data_dir, "train", gen)
+        loss = model(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lossf = loss.item()
+    return lossf
+
+
+REAL_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def zero_grad_clock(on_stamp=None):
+    """Make every optimizer's zero_grad record the time it returns (and call on_stamp);
+    the list of stamps. Each call replaces the previous clock."""
+    stamps, real = [], REAL_ZERO_GRAD
 
     def stamped(self, *a, **kw):
         real(self, *a, **kw)
         stamps.append(time.perf_counter())
+        if on_stamp is not None:
+            on_stamp()
     torch.optim.Optimizer.zero_grad = stamped
     return stamps
 
 
-def train_py_steps(stamps, n, data_dir, out_dir):
-    """Per-iteration seconds of n iterations of train.py itself (this process, output to
-    /dev/null), iterations after --warmup only."""
+def train_py_argv(data_dir, out_dir, n, eval_interval, eval_iters):
     argv = [f"--data_dir={data_dir}", "--dataset=random", f"--out_dir={out_dir}",
             "--device=cpu", "--dtype=float32", "--compile=False", f"--max_iters={n}",
-            f"--eval_interval={10 * n}", "--eval_iters=1", "--dropout=0.0"]
-    argv += [f"--{k}={v}" for k, v in RECIPE.items() if k != "vocab_size"]
+            f"--eval_interval={eval_interval}", f"--eval_iters={eval_iters}", "--dropout=0.0",
+            f"--learning_rate={LR}", f"--weight_decay={WEIGHT_DECAY}", f"--beta1={BETAS[0]}",
+            f"--beta2={BETAS[1]}"]
+    return argv + [f"--{k}={v}" for k, v in RECIPE.items() if k != "vocab_size"]
+
+
+def run_train_py(n, data_dir, out_dir):
+    """n iterations of train.py itself in this process (output to /dev/null)."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    old_argv, first = sys.argv, len(stamps)
-    sys.argv = [os.path.join(here, "train.py")] + argv
+    old_argv = sys.argv
+    sys.argv = [os.path.join(here, "train.py")] + train_py_argv(data_dir, out_dir, n, 10 * n, 1)
     try:
         with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), \
                 contextlib.redirect_stderr(null):
@@ -76,62 +189,198 @@ def train_py_steps(stamps, n, data_dir, out_dir):
         sys.argv = old_argv
         for s, h in handlers.items():
             signal.signal(s, h)
-    t = stamps[first:]
-    return np.diff(t)[args["warmup"]:].tolist()
 
 
-def bare_steps(stamps, n):
-    """Per-step seconds of the bare step on the same model and optimizer settings."""
-    torch.manual_seed(1337)
-    cfg = {k: v for k, v in RECIPE.items() if k != "batch_size"}
-    model = RoFormer(RoFormerConfig(**cfg))
-    opt = build_optimizer(model, 6e-4, 0.1, (0.9, 0.95), "cpu")
-    x = torch.randint(0, RECIPE["vocab_size"], (RECIPE["batch_size"], RECIPE["block_size"]))
-    y = torch.randint(0, RECIPE["vocab_size"], x.shape)
+def make_random_data(d):
+    rng = np.random.default_rng(0)
+    for split, size in (("train", 200_000), ("val", 20_000)):
+        rng.integers(0, RECIPE["vocab_size"], size).astype(np.uint16).tofile(
+            os.path.join(d, f"{split}.bin"))
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"name": "random", "vocab_size": RECIPE["vocab_size"], "dtype": "uint16",
+                   "eos_id": None, "bos_id": None, "train_tokens": 200_000,
+                   "val_tokens": 20_000}, f)
+
+
+STEP_KINDS = ["plain", "learned", "rope", "train.py"]
+STEP_NAMES = {"plain": "(1) nanoGPT-equivalent plain step (PlainGPT, learned positions)",
+              "learned": "(2) plain loop, our RoFormer, learned positions",
+              "rope": "(3) plain loop, our RoFormer, RoPE",
+              "train.py": "(4) train.py's whole iteration (RoPE)"}
+
+
+def overhead_round(kind, stamps, n, tmp, r):
     first = len(stamps)
-    opt.zero_grad(set_to_none=True)
-    for _ in range(n):
-        loss = model(x, y)[1]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    if kind == "train.py":
+        run_train_py(n, tmp, os.path.join(tmp, f"out{r}"))
+    else:
+        model = plain_model(kind)
+        opt = plain_optimizer(model)
+        plain_steps(model, opt, tmp, n, np.random.default_rng(r))
     return np.diff(stamps[first:])[args["warmup"]:].tolist()
 
 
-def overhead():
+def overhead(threads):
+    torch.set_num_threads(threads)
     stamps = zero_grad_clock()
     n = args["steps"] + args["warmup"] + 1
+    times = {k: [] for k in STEP_KINDS}
+    ratios = {k: [] for k in STEP_KINDS}
     with tempfile.TemporaryDirectory() as tmp:
-        rng = np.random.default_rng(0)
-        for split, size in (("train", 200_000), ("val", 20_000)):
-            rng.integers(0, RECIPE["vocab_size"], size).astype(np.uint16).tofile(
-                os.path.join(tmp, f"{split}.bin"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"name": "random", "vocab_size": RECIPE["vocab_size"], "dtype": "uint16",
-                       "eos_id": None, "bos_id": None}, f)
-        ours, bare, ratios = [], [], []
-        for r in range(args["rounds"]):  # alternate (and swap the order), so load changes hit both alike
-            first_bare = r % 2 == 1
-            b = bare_steps(stamps, n) if first_bare else None
-            o = train_py_steps(stamps, n, tmp, os.path.join(tmp, f"out{r}"))
-            b = b if first_bare else bare_steps(stamps, n)
-            ours, bare = ours + o, bare + b
-            ratios.append(statistics.median(o) / statistics.median(b))
-    o, b = statistics.median(ours), statistics.median(bare)
-    print(f"\nnanoGPT's CPU recipe {RECIPE}, float32, eager, {torch.get_num_threads()} threads; "
-          f"median of {len(ours)} steps each, {args['rounds']} alternating rounds")
-    print("| step | ms/step | tokens/s | vs bare |")
-    print("|---|---:|---:|---:|")
+        make_random_data(tmp)
+        for r in range(args["rounds"]):  # rotate the order, so load changes hit all alike
+            order = STEP_KINDS[r % 4:] + STEP_KINDS[:r % 4]
+            got = {k: overhead_round(k, stamps, n, tmp, r) for k in order}
+            for k in STEP_KINDS:
+                times[k] += got[k]
+                ratios[k].append(statistics.median(got[k]) / statistics.median(got["plain"]))
+    med = {k: statistics.median(v) for k, v in times.items()}
     tokens = RECIPE["batch_size"] * RECIPE["block_size"]
-    print(f"| bare (forward, backward, clip, AdamW, zero_grad) | {1e3 * b:.2f} | {tokens / b:,.0f} "
-          f"| 1.000 |")
-    print(f"| train.py (its whole iteration) | {1e3 * o:.2f} | {tokens / o:,.0f} | {o / b:.3f} |")
-    print(f"train.py / bare per round: {', '.join(f'{r:.3f}' for r in ratios)}")
+    print(f"\nnanoGPT's CPU recipe {RECIPE}, float32, eager, {threads} thread(s); median of "
+          f"{len(times['plain'])} steps each, {args['rounds']} rotating rounds")
+    print("| step | ms/iter | tokens/s | vs (1) | vs (1) per round |")
+    print("|---|---:|---:|---:|---|")
+    for k in STEP_KINDS:
+        print(f"| {STEP_NAMES[k]} | {1e3 * med[k]:.2f} | {tokens / med[k]:,.0f} | "
+              f"{med[k] / med['plain']:.3f} | {', '.join(f'{x:.3f}' for x in ratios[k])} |")
 
 
-if args["overhead"]:
-    overhead()
+def plain_run(data_dir):
+    """The whole plain command (--plain_run=DIR): PlainGPT's loop for --iters iterations with
+    train.py's evaluations and checkpoint writes, one line per 10 iterations."""
+    model = plain_model("plain")
+    opt = plain_optimizer(model)
+    gen = np.random.default_rng(1337)
+    out = os.path.join(data_dir, "plain-out")
+    os.makedirs(out, exist_ok=True)
+    n, every = args["iters"], args["eval_interval"]
+    for it in range(0, n + 1, 10):
+        if it % every == 0 or it == n:
+            model.eval()
+            with torch.no_grad():
+                for i, split in enumerate(("train", "val")):
+                    egen = np.random.default_rng([1337, i])
+                    losses = [model(*plain_batch(data_dir, split, egen))[1].item()
+                              for _ in range(args["eval_iters"])]
+                    print(f"iter {it}: {split} {sum(losses) / len(losses):.4f}")
+            model.train()
+            if it > 0:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                           os.path.join(out, "ckpt.pt.tmp"))
+                os.replace(os.path.join(out, "ckpt.pt.tmp"), os.path.join(out, "ckpt.pt"))
+        if it < n:
+            print(f"iter {it + 10}: loss {plain_steps(model, opt, data_dir, 10, gen, it):.4f}",
+                  flush=True)
+
+
+def whole(threads):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    walls = {"train.py": [], "plain": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_random_data(tmp)
+        cmds = {"train.py": [sys.executable, os.path.join(here, "train.py")] + train_py_argv(
+                    tmp, os.path.join(tmp, "out"), args["iters"], args["eval_interval"],
+                    args["eval_iters"]),
+                "plain": [sys.executable, os.path.abspath(__file__), f"--plain_run={tmp}",
+                          f"--iters={args['iters']}", f"--eval_interval={args['eval_interval']}",
+                          f"--eval_iters={args['eval_iters']}"]}
+        for r in range(args["rounds"]):
+            for k in (("train.py", "plain") if r % 2 else ("plain", "train.py")):
+                t0 = time.perf_counter()
+                res = subprocess.run(cmds[k], env=env, capture_output=True, text=True, cwd=here)
+                if res.returncode:
+                    sys.exit(f"error: {k} failed: {res.stderr[-2000:]}")
+                walls[k].append(time.perf_counter() - t0)
+    t, p = statistics.median(walls["train.py"]), statistics.median(walls["plain"])
+    print(f"\nthe whole command, {args['iters']} iterations at nanoGPT's CPU recipe, evaluations "
+          f"at 0, {args['eval_interval']} and {args['iters']} ({args['eval_iters']} batches per "
+          f"split), {threads} thread(s), {args['rounds']} alternated rounds")
+    print("| command | wall s (median) | per round | vs plain |")
+    print("|---|---:|---|---:|")
+    for k, med in (("plain", p), ("train.py", t)):
+        print(f"| {k} | {med:.2f} | {', '.join(f'{x:.2f}' for x in walls[k])} | {med / p:.3f} |")
+
+
+def profile(threads):
+    """Per-iteration self CPU time by op of train.py and of the plain loop on our RoFormer."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+    torch.set_num_threads(threads)
+    n, tables = args["steps"], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_random_data(tmp)
+        for kind in ("rope", "train.py"):
+            prof = torch_profile(activities=[ProfilerActivity.CPU],
+                                 schedule=schedule(wait=args["warmup"], warmup=1, active=n,
+                                                   repeat=1))
+            stamps = zero_grad_clock(on_stamp=prof.step)
+            with prof:
+                if kind == "train.py":
+                    run_train_py(n + args["warmup"] + 2, tmp, os.path.join(tmp, "out"))
+                else:
+                    model = plain_model("rope")
+                    plain_steps(model, plain_optimizer(model), tmp, n + args["warmup"] + 2,
+                                np.random.default_rng(0))
+            wall = statistics.median(np.diff(stamps[args["warmup"] + 1:]))
+            ops = {e.key: (e.self_cpu_time_total / n, e.count / n) for e in prof.key_averages()}
+            tables[kind] = (wall * 1e6, ops)
+    (w_plain, plain), (w_ours, ours) = tables["rope"], tables["train.py"]
+    print(f"\ntorch.profiler, {threads} thread(s), {n} iterations, per iteration (us): wall "
+          f"plain loop {w_plain:.0f}, train.py {w_ours:.0f}; in torch ops "
+          f"{sum(v[0] for v in plain.values()):.0f} vs {sum(v[0] for v in ours.values()):.0f}")
+    # first the ops train.py calls more often than the plain loop (its own work), then the
+    # most expensive ops overall (the model's)
+    extra = [k for k in ours if ours[k][1] > plain.get(k, (0, 0))[1] and k != "ProfilerStep*"]
+    top = sorted(set(plain) | set(ours), key=lambda k: -max(ours.get(k, (0, 0))[0],
+                                                           plain.get(k, (0, 0))[0]))[:12]
+    print("| op | plain us/iter | train.py us/iter | calls/iter plain | calls/iter train.py |")
+    print("|---|---:|---:|---:|---:|")
+    for k in sorted(extra, key=lambda k: -ours[k][0]) + ["..."] + [k for k in top
+                                                                  if k not in extra]:
+        if k == "...":
+            print("| (the most expensive ops) | | | | |")
+            continue
+        a, b = plain.get(k, (0.0, 0.0)), ours.get(k, (0.0, 0.0))
+        print(f"| {k} | {a[0]:.0f} | {b[0]:.0f} | {a[1]:.1f} | {b[1]:.1f} |")
+
+
+def adamw_step(threads):
+    """ms per AdamW step on the recipe's RoFormer, torch's default (a Python loop over the
+    parameters on CPU) vs foreach vs fused, alternated step by step."""
+    torch.set_num_threads(threads)
+    model = plain_model("rope")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    kinds = {"default (for-loop)": {}, "foreach=True": {"foreach": True},
+             "fused=True": {"fused": True}}
+    opts = {k: torch.optim.AdamW(model.parameters(), lr=1e-3, **kw) for k, kw in kinds.items()}
+    times = {k: [] for k in opts}
+    for i in range(20 + 20 * args["steps"]):
+        for k, o in opts.items():
+            t0 = time.perf_counter()
+            o.step()
+            if i >= 20:
+                times[k].append(time.perf_counter() - t0)
+    print(f"\nAdamW step alone, the recipe's RoFormer, {threads} thread(s), median of "
+          f"{len(times[k])} alternated steps")
+    print("| AdamW | ms/step |")
+    print("|---|---:|")
+    for k, t in times.items():
+        print(f"| {k} | {1e3 * statistics.median(t):.2f} |")
+
+
+if args["plain_run"]:
+    plain_run(args["plain_run"])
+    sys.exit(0)
+if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"]:
+    for threads in map(int, str(args["threads"]).split(",")):
+        if args["overhead"]:
+            overhead(threads)
+        if args["whole"]:
+            whole(threads)
+        if args["profile"]:
+            profile(threads)
+        if args["adamw_step"]:
+            adamw_step(threads)
     sys.exit(0)
 scope = {}
 with open(os.path.join(here, args["config"])) as f:

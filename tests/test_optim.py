@@ -1,0 +1,234 @@
+"""optim.build_optimizer: which parameters Muon gets, one Muon step against the update written
+from its documentation (momentum, Newton-Schulz orthogonalisation, shape-adjusted rate,
+decoupled weight decay) in float64, the AdamW part against a plain torch AdamW, and an exact
+resume through state_dict."""
+import copy
+import io
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import RoFormer, RoFormerConfig  # noqa: E402
+from optim import build_optimizer  # noqa: E402
+
+HIDDEN = re.compile(r"blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
+
+
+def tiny(pos_encoding="rope", bias=True, seed=0, **kw):
+    torch.manual_seed(seed)
+    return RoFormer(RoFormerConfig(vocab_size=48, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                                   bias=bias, pos_encoding=pos_encoding, **kw))
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 48, (3, 16), generator=g)
+    return x, torch.randint(0, 48, (3, 16), generator=g)
+
+
+def grads(model, seed):
+    x, y = batch(seed)
+    model(x, y)[1].backward()
+
+
+def synthetic_grads(model, seed):
+    """Gradients U diag(s) V^T with random orthonormal U, V and singular values s spread
+    evenly from 1 to 0.1: a real one at init is nearly rank-deficient, and Newton-Schulz
+    amplifies bfloat16 noise in its null directions (which an exact float64 reference leaves
+    at zero), so the comparison would measure that noise."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() < 2:
+            p.grad = torch.randn(p.shape, generator=g)
+            continue
+        k = min(p.shape)
+        u = torch.linalg.qr(torch.randn(p.shape[0], k, generator=g))[0]
+        v = torch.linalg.qr(torch.randn(p.shape[1], k, generator=g))[0]
+        p.grad = u @ torch.diag(torch.linspace(1, 0.1, k)) @ v.T
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "learned", "shaw", "t5"])
+def test_muon_gets_the_blocks_linear_weights_and_adamw_everything_else(pos_encoding):
+    m = tiny(pos_encoding)
+    opt = build_optimizer(m, 1e-3, 0.1, name="muon")
+    in_muon = [id(p) for g in opt.muon.param_groups for p in g["params"]]
+    in_adamw = [id(p) for g in opt.adamw.param_groups for p in g["params"]]
+    every = [id(p) for p in m.parameters()]
+    assert sorted(in_muon + in_adamw) == sorted(every) and len(set(every)) == len(every)
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert sorted(names[i] for i in in_muon) == sorted(n for n in names.values()
+                                                       if HIDDEN.fullmatch(n))
+    assert len(in_muon) == 4 * 2
+    # the tied head is wte itself: AdamW's, like the position tables (wpe, rel_k, rel_bias)
+    assert id(m.lm_head.weight) == id(m.wte.weight) and id(m.wte.weight) in in_adamw
+    decayed = {names[id(p)] for p in opt.adamw.param_groups[0]["params"]}
+    assert all(p.dim() == 2 for n, p in m.named_parameters() if n in decayed)
+    assert [g["lr_scale"] for g in opt.param_groups] == [0.02 / 1e-3, 1.0, 1.0]
+
+
+def newton_schulz_reference(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):
+    """Muon's documented orthogonalisation in float64: scale to Frobenius norm 1, then
+    X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation."""
+    X = G.double()
+    wide = X.shape[0] <= X.shape[1]
+    X = X if wide else X.T
+    X = X / X.norm()
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X if wide else X.T
+
+
+def test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain_adamw():
+    lr, wd, mom, muon_lr = 3e-3, 0.1, 0.9, 0.05
+    m = tiny()
+    ref = copy.deepcopy(m)
+    opt = build_optimizer(m, lr, wd, (0.9, 0.95), name="muon", muon_lr=muon_lr, muon_momentum=mom)
+    hidden = {n for n, _ in m.named_parameters() if HIDDEN.fullmatch(n)}
+    rest = [p for n, p in ref.named_parameters() if n not in hidden]
+    plain = torch.optim.AdamW([{"params": [p for p in rest if p.dim() == 2], "weight_decay": wd},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=lr, betas=(0.9, 0.95))
+    buf = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in ref.named_parameters()
+           if n in hidden}
+    for it in range(2):
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        synthetic_grads(m, it)
+        synthetic_grads(ref, it)
+        g = {n: p.grad.double() for n, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        plain.step()
+        plain.zero_grad()
+        for n, p in m.named_parameters():
+            if n not in hidden:  # the AdamW part: a plain (unfused) AdamW's step, to rounding
+                want = dict(ref.named_parameters())[n]
+                assert (p - want).abs().max() < 1e-7 < (p - before[n]).abs().max(), n
+                continue
+            buf[n] = mom * buf[n] + g[n]  # B_t = mu B_{t-1} + g_t; nesterov: g_t + mu B_t
+            want = newton_schulz_reference(g[n] + mom * buf[n])
+            rows, cols = p.shape
+            rate = muon_lr * max(1.0, rows / cols) ** 0.5
+            update = (before[n].double() * (1 - muon_lr * wd) - p.double()) / rate
+            # Newton-Schulz runs in bfloat16 inside torch: a few parts in a thousand per op
+            assert (update - want).norm() / want.norm() < 0.03, n
+            # orthogonalised: the singular values bunched near one, not the momentum's 1 to 0.1
+            s = torch.linalg.svdvals(update)
+            assert s.min() > 0.5 and s.max() < 1.3, (n, s.min(), s.max())
+        with torch.no_grad():  # keep the reference on the same weights for the next step
+            for n, p in ref.named_parameters():
+                p.copy_(dict(m.named_parameters())[n])
+
+
+def run(model, opt, its, lr=3e-3):
+    for it in its:
+        for g in opt.param_groups:  # the training loop's schedule write (train.py)
+            g["lr"] = lr * (1 - it / 10) * g["lr_scale"]
+        grads(model, 100 + it)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_state_dict_round_trip_resumes_bit_exact():
+    whole = tiny(seed=3)
+    opt = build_optimizer(whole, 3e-3, 0.1, name="muon")
+    run(whole, opt, range(4))
+
+    first = tiny(seed=3)
+    opt = build_optimizer(first, 3e-3, 0.1, name="muon")
+    run(first, opt, range(2))
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = tiny(seed=99)
+    resumed.load_state_dict(saved["model"])
+    opt = build_optimizer(resumed, 1.0, 0.1, name="muon")
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.muon.state and opt.adamw.state  # both optimizers' states came back
+    run(resumed, opt, range(2, 4))
+    for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_muon_refuses_an_adamw_state_and_unknown_names():
+    m = tiny()
+    with pytest.raises(ValueError, match="optimizer=adamw"):
+        build_optimizer(m, 1e-3, name="muon").load_state_dict(
+            build_optimizer(m, 1e-3).state_dict())
+    with pytest.raises(ValueError, match="'adamw' or 'muon'"):
+        build_optimizer(m, 1e-3, name="sgd")
+
+
+def test_muon_on_a_torch_without_it_is_one_line_naming_the_version(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ValueError, match=r"torch >= 2\.9") as e:
+        build_optimizer(tiny(), 1e-3, name="muon")
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------
+# end to end through train.py (optimizer=muon), against the same references as
+# tests/test_train.py: an unbroken run for resume, one process for DDP
+from test_train import TINY, load, log, make_data, max_diff, torchrun, train  # noqa: E402
+
+MUON = [*TINY, "--dtype=float32", "--optimizer=muon"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_data(str(tmp_path_factory.mktemp("data")))
+
+
+def test_train_py_muon_learns_and_resumes_bit_exact(data, tmp_path):
+    """8 iterations straight == 4, stop, resume, 4 more: the same weights and both optimizers'
+    states to the bit (the checkpoint holds Muon's momentum and AdamW's moments)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = [f"--data_dir={data}", *MUON, "--dropout=0.1"]
+    train(*common, f"--out_dir={a}", "--max_iters=8", "--eval_interval=4")
+    train(*common, f"--out_dir={b}", "--max_iters=4", "--eval_interval=100")
+    train(*common, f"--out_dir={b}", "--max_iters=8", "--eval_interval=100", "--init_from=resume")
+    ka, kb = load(a), load(b)
+    assert kb["iter_num"] == 8 and ka["config"]["optimizer"] == "muon"
+    assert max_diff(ka["model"], kb["model"]) == 0
+    for part in ("muon", "adamw"):
+        sa, sb = ka["optimizer"][part]["state"], kb["optimizer"][part]["state"]
+        assert sa.keys() == sb.keys() and len(sa) > 0
+        assert all(max_diff(sa[i], sb[i]) == 0 for i in sa), part
+    rows = log(a)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.3
+
+
+@pytest.mark.slow
+def test_train_py_muon_ddp_two_ranks_match_one_process(data, tmp_path):
+    """torchrun, 2 gloo ranks, accumulation 2 == one process, accumulation 2, with Muon: every
+    rank orthogonalises the same averaged gradient. Not bit-equal (the all-reduce sums in
+    another order), and Newton-Schulz runs in bfloat16, which can round a last-bit difference
+    in the gradient to one bf16 step of the update: hence a looser bound than AdamW's."""
+    args = [f"--data_dir={data}", *MUON, "--gradient_accumulation_steps=2", "--max_iters=6",
+            "--eval_interval=3"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    train(*args, f"--out_dir={one}")
+    torchrun(2, *args, f"--out_dir={two}")
+    for r, g in zip(log(one), log(two), strict=True):
+        assert abs(r["val_loss"] - g["val_loss"]) < 1e-4
+    assert max_diff(load(one)["model"], load(two)["model"]) < 1e-4
+
+
+def test_train_py_refuses_muon_with_fsdp_in_one_line(data, tmp_path):
+    """FSDP shards each matrix over the ranks, and Muon orthogonalises whole matrices."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = train(f"--data_dir={data}", f"--out_dir={tmp_path}", *MUON, "--fsdp=True", check=False,
+              RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+              MASTER_PORT=str(port))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and all(w in lines[0].lower() for w in ("muon", "fsdp"))
+    assert not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
