@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import checkpoint
 import parallel
@@ -133,9 +134,11 @@ if ddp and dev.type == "cuda" and dev.index is None:
 device, device_type = str(dev), dev.type
 if fsdp and dtype == "float16":
     fail("fsdp=True supports dtype float32 and bfloat16, not float16")
-if optimizer == "muon" and dtype == "float16":
-    fail("optimizer=muon does not work with dtype=float16: the GradScaler unscales and steps "
-         "one torch optimizer, not Muon paired with AdamW; use bfloat16 or float32")
+if optimizer == "muon" and dtype == "float16":  # what auto picks on GPUs without bf16
+    if config["dtype"] != "auto":
+        fail("optimizer=muon does not work with dtype=float16: the GradScaler unscales and "
+             "steps one torch optimizer, not Muon paired with AdamW; use bfloat16 or float32")
+    dtype = "float32"
 if device_type == "cuda":
     torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
@@ -284,14 +287,13 @@ flops_per_token = raw_model.flops_per_token(block_size)
 
 # ----------------------------------------------------------------------------------------
 # logging
-if master:
-    runs.start_log(log_path, resumed, start_iter)
 if wandb_log and master:
     import wandb
     run = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
                      **({"id": wandb_id, "resume": "allow"} if wandb_id else {}))
     wandb_id = run.id  # in the checkpoint: a resumed run continues this wandb run
 if master:
+    runs.start_log(log_path, resumed, start_iter)
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, "
@@ -318,8 +320,6 @@ crash_at = tuple(map(int, crash_at.split(":"))) if crash_at else None
 
 # ----------------------------------------------------------------------------------------
 # the loop
-from tqdm import tqdm  # noqa: E402
-
 # A bar on a terminal; under a pipe or a file (CI, SLURM, `> log`) one plain line per
 # log_interval instead: a bar's carriage-return updates would write megabytes there.
 interactive = sys.stderr.isatty()
