@@ -18,6 +18,8 @@ feature_map = "elu"   # phi(x) = elu(x) + 1, non-negative so the denominator sta
 linear_chunk = 64
 linear_norm = False   # True: RMS-normalise each head's output (eq. 19's weights do not sum to 1)
 
+optimizer = "muon"     # as config/small.py
+muon_lr = 0.04
 learning_rate = 2e-3   # a small model tolerates a high rate; warmup keeps the start stable
 max_iters = 300
 lr_decay_iters = 300

@@ -15,6 +15,11 @@ n_head = 4
 n_embd = 256
 dropout = 0.0
 
+# Muon for the blocks' matrices, AdamW (learning_rate) for embeddings, norms and biases: it
+# won at equal steps on both corpora tried, every seed (docs/OPTIM.md). --optimizer=adamw for
+# the AdamW-only run.
+optimizer = "muon"
+muon_lr = 0.04
 learning_rate = 2e-3   # a small model tolerates a high rate; warmup keeps the start stable
 max_iters = 300        # 1.23M tokens
 lr_decay_iters = 300
