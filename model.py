@@ -279,9 +279,9 @@ class Attention(nn.Module):
         return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
     def softmax(self, qkv, where, cache):
-        q, k, v = qkv
-        if where.rope is not None:
-            q, k = apply_rope(qkv[:2], *where.rope)  # q and k in one go; v is not rotated
+        qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
+        q, k = apply_rope(qk, *where.rope) if where.rope is not None else qk  # v: not rotated
+        v = v.squeeze(0)
         mask = where.mask
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
             mask = mask + shaw_bias(q, self.rel_k.weight, where.distance)
