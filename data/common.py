@@ -30,23 +30,29 @@ from data.documents import tasks, text_fields
 from data.shared import BOS_ID, EOS_ID, UNK_ID, PrepareError, dtype_for_vocab, tqdm
 from data.split import split_tokens
 from data.tokenizer import TokenizerSample, load_tokenizer, train_tokenizer
-from data.write import commit, make_out_dir, remove_partial, tmp_names, write_meta, write_tokenizer
+from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
+                        write_meta, write_tokenizer)
 
 # train.py's --dataset=NAME reads data/NAME next to train.py: this folder.
 DATA_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_tokens, num_proc,
-                  sample_bytes):
+                  sample_bytes, seed):
     if model_type not in ("bpe", "unigram", "char"):
         raise PrepareError(f"model_type must be bpe, unigram or char, not {model_type!r}")
+    if not 0 <= seed < 1 << 64:  # the seed keys are 64-bit unsigned (shared.mix64)
+        raise PrepareError(f"seed must be between 0 and 2**64 - 1, not {seed}")
     if not 0.0 < val_fraction < 1.0:
         raise PrepareError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
     if val_tokens is not None and val_tokens < 1:
         raise PrepareError(f"val_tokens must be at least 1, not {val_tokens}")
+    if vocab_size == 0 and model_type != "char":  # sentencepiece's own error is INTERNAL
+        raise PrepareError("vocab_size must be at least 261 (0, sized by the characters seen, "
+                           "is for --model_type char only)")
     if vocab_size and vocab_size < 261:
-        raise PrepareError(f"vocab_size {vocab_size} is too small: byte fallback alone takes "
-                           f"260 ids (256 bytes, unk, bos, eos, newline)")
+        raise PrepareError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
+                           f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
     if min_val_tokens < 1:
         raise PrepareError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
     if num_proc < 1:
@@ -243,9 +249,11 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
     sources.file_sources; kind "docs" takes a function returning an iterable of texts
     instead of a path). Returns the meta dict written."""
     t_start = time.time()
-    num_proc = num_proc or workers.default_num_proc()
+    # None is every core; 0 is a mistake, not a second way to say that
+    num_proc = workers.default_num_proc() if num_proc is None else num_proc
     check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_tokens, num_proc,
-                  sample_bytes)
+                  sample_bytes, seed)
+    check_own_folder(out_dir)
     options = dict(name=name, source=source, vocab_size=vocab_size, model_type=model_type,
                    val_fraction=val_fraction, val_tokens=val_tokens, seed=seed,
                    min_val_tokens=min_val_tokens, sample_bytes=sample_bytes,

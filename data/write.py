@@ -8,6 +8,27 @@ import os
 
 from data.shared import OUTPUTS, PrepareError
 
+# Fields every meta.json that prepare ever wrote holds (since its first version): a folder
+# whose meta.json has them is a dataset prepare made, and prepare may replace it.
+OWN_META_KEYS = ("source_sha256", "source_hash_of", "tokenizer")
+
+
+def check_own_folder(out_dir):
+    """Refuse an out_dir whose meta.json prepare did not write (another tool's dataset, a
+    hand-made folder): prepare replaces the dataset in its folder, so that one would be lost.
+    Called before any work, so nothing on disk has changed when it refuses."""
+    path = os.path.join(out_dir, "meta.json")
+    if not os.path.lexists(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):  # unreadable, or not JSON: not one prepare wrote
+        meta = None
+    if not isinstance(meta, dict) or not all(k in meta for k in OWN_META_KEYS):
+        raise PrepareError(f"{path} was not written by prepare; it would be replaced, so pass "
+                           f"another --out_dir (a new or empty folder, or one prepare made)")
+
 
 def make_out_dir(out_dir):
     """Create out_dir if needed and prove it is writable with a probe file.

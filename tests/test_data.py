@@ -360,6 +360,42 @@ def test_error_vocab_too_large(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("option, value, phrase", [
+    ("--seed", "-1", "seed must be between 0 and 2**64 - 1"),      # numpy: OverflowError
+    ("--seed", str(1 << 64), "seed must be between 0 and 2**64 - 1"),
+    ("--num_proc", "0", "num_proc must be at least 1"),             # silently meant every core
+    ("--vocab_size", "0", "vocab_size must be at least 261"),       # sentencepiece INTERNAL
+    ("--vocab_size", "-5", "at least 261"),
+])
+def test_error_option_out_of_range(tmp_path, option, value, phrase):
+    """Values the stages cannot take are one line naming the valid range, before any output."""
+    make_corpus(tmp_path / "c", n_files=3)
+    r = run_script("text", "--input", str(tmp_path / "c"), "--out_dir", str(tmp_path / "o"),
+                   "--vocab_size", "350", "--min_val_tokens", "20", option, value)
+    assert_fails(r, phrase)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("meta", [
+    json.dumps({"name": "tiny", "vocab_size": 64, "dtype": "uint16", "eos_id": 0}),  # hand-made
+    "not json {",
+    json.dumps(["a", "list"]),
+])
+def test_error_out_dir_holds_a_dataset_prepare_did_not_make(prepared, tmp_path, meta):
+    """A folder whose meta.json another tool (or a person) wrote is refused and left exactly
+    as it was; a folder prepare made is replaced (test_rerun_is_identical)."""
+    root, _, _ = prepared
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "meta.json").write_text(meta)
+    (out / "train.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+    before = {fn: (out / fn).read_bytes() for fn in os.listdir(out)}
+    r = run_script("text", "--input", str(root / "mycorpus"), "--out_dir", str(out),
+                   "--vocab_size", "400", "--min_val_tokens", "50")
+    assert_fails(r, str(out / "meta.json"), "not written by prepare", "--out_dir")
+    assert {fn: (out / fn).read_bytes() for fn in os.listdir(out)} == before
+
+
 def test_error_unwritable_output(tmp_path):
     make_corpus(tmp_path / "c", n_files=3)
     (tmp_path / "afile").write_text("x")
