@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -46,14 +47,23 @@ def barrier(ddp):
 # ----------------------------------------------------------------------------------------
 # the dataset
 
-def prepare_command(dataset):
-    """The command that builds data/<dataset>."""
+def prepare_command(dataset, data_dir=""):
+    """The command that builds the folder train.py reads: data/<dataset>, or data_dir. A
+    dataset with no script of its own is the user's text, whose files only they can name."""
     base = dataset[:-len("_char")] if dataset.endswith("_char") else None
     if os.path.exists(os.path.join(REPO, "data", dataset, "prepare.py")):
-        return f"python data/{dataset}/prepare.py"
-    if base and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
-        return f"python data/{base}/prepare.py --char"  # the character-level variant
-    return f"python data/text/prepare.py --input YOUR_FILES --out_dir data/{dataset}"
+        cmd, writes = f"python data/{dataset}/prepare.py", dataset
+    elif base and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
+        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # the character-level variant
+    else:
+        cmd, writes = "python data/text/prepare.py", "text"
+    if cmd.startswith("python data/text/"):
+        cmd += " --input PATH"  # required: the files to build it from
+    # prepare's --out_dir NAME is data/NAME next to train.py; a path with a slash is as given
+    out = data_dir if not data_dir or "/" in data_dir or os.sep in data_dir else f"./{data_dir}"
+    if (out or dataset) != writes:
+        cmd += f" --out_dir {shlex.quote(out or dataset)}"
+    return cmd
 
 
 def open_dataset(dataset, data_dir, master, ddp):
@@ -75,7 +85,7 @@ def open_dataset(dataset, data_dir, master, ddp):
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
         fail(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); build it "
-             f"with: {prepare_command(dataset)}")
+             f"with: {prepare_command(dataset, data_dir)}")
     try:
         meta = load_meta(ddir)
         for split in ("train", "val"):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -367,8 +368,8 @@ def test_compile_trains_on_cpu(data, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--n_layers=2"], "unknown config key 'n_layers' (did you mean 'n_layer'?)"),
     (["--batch_size=big"], "batch_size"),
-    (["--dataset=nosuchcorpus"], "python data/text/prepare.py --input YOUR_FILES "
-                                 "--out_dir data/nosuchcorpus"),
+    (["--dataset=nosuchcorpus"], "python data/text/prepare.py --input PATH "
+                                 "--out_dir nosuchcorpus"),
     (["--dataset=shakespeare_char"], "python data/shakespeare/prepare.py --char"),
     (["--n_embd=30", "--n_head=4", "DATA"], "divisible"),
     (["--init_from=resume", "DATA"], "does not exist"),
@@ -379,6 +380,30 @@ def test_config_errors_are_one_line(args, message, data, tmp_path):
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_the_build_hint_for_a_missing_dataset_is_a_command_that_builds_it(tmp_path):
+    """The hint for dataset=text used to leave out the --input prepare requires, and never
+    named the --data_dir folder train.py reads: run the hint as printed (PATH filled in, a
+    vocabulary and split the tiny corpus allows) and train.py then trains on what it built."""
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    (tmp_path / "corpus").mkdir()
+    for i in range(6):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(" ".join(rng.choice(words, 400)))
+    d = str(tmp_path / "built")
+    hint = one_line_error(train(f"--out_dir={tmp_path / 'out'}", "--dataset=text",
+                                f"--data_dir={d}", check=False))
+    cmd = shlex.split(hint.split("build it with: ", 1)[1])
+    assert cmd[:2] == ["python", "data/text/prepare.py"] and "PATH" in cmd
+    cmd = [sys.executable, cmd[1]] + [str(tmp_path / "corpus") if a == "PATH" else a
+                                      for a in cmd[2:]]
+    r = subprocess.run(cmd + ["--vocab_size", "300", "--min_val_tokens", "40"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    train("--dataset=text", f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TINY,
+          "--max_iters=1")
+    assert load(str(tmp_path / "out"))["tokenizer"]["path"] == os.path.join(d, "tokenizer.model")
 
 
 def test_wandb_offline_records_the_run(data, tmp_path):
