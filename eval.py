@@ -14,9 +14,17 @@ The inputs become documents by the rule prepare applies to a corpus (data/docume
 same code): a single text file is split into paragraphs at blank lines, several text files
 are a document each, a .jsonl(.gz) record or parquet row is a document (--text_field). Each
 document is read after the end-of-document token (the context every training document starts
-from) and every one of its tokens is scored once. Bytes are every byte of each text file as it
-is on disk (CRLF and the blank lines between paragraphs included), and the UTF-8 bytes of each
-record's text. Text longer than the window is scored with a sliding window: windows of
+from) and every one of its tokens is scored once.
+
+Bytes are the UTF-8 bytes of the documents scored, exactly the text their tokens encode
+(the carriage returns of CRLFs included): the blank runs between paragraphs, which the
+end-of-document token stands for in training, and whitespace-only files, which are no
+document, add no tokens and so no bytes. Counting them (the bytes on disk) let padding a text
+with blank lines or a file of spaces lower bits per byte at will; scoring them as tokens would
+charge the model for separators prepare never trains it on. So bits per byte is the loss per
+byte of the text it is measured on.
+
+Text longer than the window is scored with a sliding window: windows of
 block_size tokens (block_size * rope_factor with --rope_scaling) start every `stride` tokens;
 the first scores all its tokens, each later one only the tokens past the previous window, so
 each of those has at least window - stride tokens of context. --split=val scores the run's own
@@ -37,7 +45,7 @@ from configurator import ConfigError, configure
 from data.dataset import DatasetError, load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.shared import PrepareError, tqdm
-from data.sources import TEXT_KINDS, file_sources, find_files
+from data.sources import file_sources, find_files
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -104,14 +112,10 @@ def read_inputs(paths, field_spec):
     sources = file_sources(find_files(paths))
     if not sources:
         raise PrepareError(f"no files found in {','.join(paths)}")
-    # A text file counts every byte on disk (its CRLFs, the blank lines between paragraphs);
-    # a record, the UTF-8 bytes of its text (not the JSON or parquet around it).
-    nbytes = sum(os.path.getsize(path) for _, kind, path in sources if kind in TEXT_KINDS)
-    texts = []
-    for source_index, text in whole_documents(sources, text_fields(field_spec)):
-        texts.append(text)
-        if sources[source_index][1] not in TEXT_KINDS:
-            nbytes += len(text.encode("utf-8"))
+    texts = [text for _, text in whole_documents(sources, text_fields(field_spec))]
+    # The bytes of the scored text only: not the separators, nor the JSON or parquet around
+    # a record (see the docstring at the top).
+    nbytes = sum(len(text.encode("utf-8")) for text in texts)
     names = [name for name, _, _ in sources]
     return texts, nbytes, ", ".join(names) if len(names) <= 3 else f"{len(names)} files"
 

@@ -285,9 +285,9 @@ def naive_paragraphs(text):
 def test_a_file_scores_like_the_folder_of_its_paragraphs(run, capsys, tmp_path):
     """prepare splits a single text file into paragraphs, each trained after the
     end-of-document token; eval applies the same rule, so a held-out file and a folder of
-    its paragraphs (one file each) score the same tokens with the same loss, and bits per
-    byte differ only by the blank lines the file also counts (the old rule scored the file
-    as one document, charging the model for separators it never saw in training)."""
+    its paragraphs (one file each) score the same tokens with the same loss over the same
+    bytes (the old rule scored the file as one document, charging the model for separators
+    it never saw in training)."""
     paras = [t for _, t in corpus_docs(12, seed=7)]
     seps = ["\n\n", "\n\n\n", "\n  \n"]
     text = "".join(p + seps[i % 3] for i, p in enumerate(paras))
@@ -303,12 +303,42 @@ def test_a_file_scores_like_the_folder_of_its_paragraphs(run, capsys, tmp_path):
     assert one_file["tokens"] == folder["tokens"] == sum(len(run["sp"].encode(p)) for p in paras)
     assert one_file["nats_per_token"] * one_file["tokens"] == pytest.approx(nats, rel=1e-5)
     assert folder["nats_per_token"] == pytest.approx(one_file["nats_per_token"], rel=1e-6)
-    assert one_file["bytes"] == len(text.encode("utf-8"))  # the blank lines too
-    assert folder["bytes"] == sum(len(p.encode("utf-8")) for p in paras)
-    assert one_file["bits_per_byte"] == pytest.approx(folder["bits_per_byte"], rel=0.03)
+    assert one_file["bytes"] == folder["bytes"] == sum(len(p.encode("utf-8")) for p in paras)
+    assert one_file["bits_per_byte"] == pytest.approx(folder["bits_per_byte"], rel=1e-6)
     # The old rule, the file as one document, scores the separators as tokens too.
     whole = reference_nats(run["model"], run["sp"], [text], BLOCK, BLOCK // 2)
     assert len(run["sp"].encode(text)) > one_file["tokens"] and whole > nats
+
+
+def test_whitespace_padding_cannot_move_bits_per_byte(run, capsys, tmp_path):
+    """Bytes are those of the documents scored. Blank runs between paragraphs and a file of
+    spaces beside the text add no scored token, so they must add no byte either: they used to
+    (6.04 bits/byte became 0.83 with blank runs, 0.0037 beside 20 kB of spaces). The bytes
+    are checked against a count of the paragraphs found by a line walk (naive_paragraphs)."""
+    paras = [t for _, t in corpus_docs(6, seed=9)]
+    tight = "\n\n".join(paras)
+    padded = "\n \n\n" + "\n\n\n\t\n  \n\n\n\n".join(paras) + "\n" * 400
+    for name, text in (("tight.txt", tight), ("padded.txt", padded)):
+        (tmp_path / name).write_text(text, encoding="utf-8", newline="")
+    a = (f"--out_dir={run['out']}",)
+    r_tight = json_eval(capsys, *a, f"--input={tmp_path / 'tight.txt'}")
+    r_padded = json_eval(capsys, *a, f"--input={tmp_path / 'padded.txt'}")
+    assert naive_paragraphs(padded) == paras
+    assert r_padded["bytes"] == r_tight["bytes"] == sum(len(p.encode("utf-8")) for p in paras)
+    assert r_padded["bits_per_byte"] == pytest.approx(r_tight["bits_per_byte"], rel=0.02)
+    # A folder of texts (a document each) with a 20 kB file of spaces and blank lines beside.
+    for folder, extra in (("plain", False), ("spaced", True)):
+        (tmp_path / folder).mkdir()
+        for i, p in enumerate(paras[:2]):
+            (tmp_path / folder / f"t{i}.txt").write_text(p, encoding="utf-8", newline="")
+        if extra:
+            (tmp_path / folder / "blank.txt").write_text((" " * 99 + "\n") * 200)
+    plain = json_eval(capsys, *a, f"--input={tmp_path / 'plain'}")
+    spaced = json_eval(capsys, *a, f"--input={tmp_path / 'spaced'}")
+    assert spaced["bytes"] == plain["bytes"] == sum(len(p.encode("utf-8")) for p in paras[:2])
+    assert spaced["bits_per_byte"] == pytest.approx(plain["bits_per_byte"], rel=0.02)
+    nats = reference_nats(run["model"], run["sp"], paras[:2], BLOCK, BLOCK // 2)
+    assert spaced["bits_per_byte"] == pytest.approx(nats / math.log(2) / plain["bytes"], rel=1e-5)
 
 
 def test_records_are_documents_as_in_prepare(run, capsys, tmp_path):
