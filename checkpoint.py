@@ -217,13 +217,38 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
 
 
 def dataset_dir(ckpt):
-    """The folder of the run's dataset (val.bin, meta.json), or None when it is gone."""
+    """The folder of the run's dataset (val.bin, meta.json), for eval.py --split and export.py's
+    check. A run records the folder it read (config data_dir, an absolute path): that folder, or
+    a CheckpointError saying it is gone; never another corpus. Older checkpoints hold the
+    --data_dir given ("" or relative: no record; an absolute one is the folder they read) and
+    keep the old search: that data_dir, the tokenizer's folder, data/<dataset> (None when none
+    is there). Either way a folder whose tokenizer.model is not the run's is
+    refused: its val.bin holds another vocabulary's ids."""
     info = ckpt.get("tokenizer") or {}
-    for d in (info.get("data_dir"), os.path.dirname(info.get("path") or ""),
-              os.path.join(REPO, "data", str(info.get("dataset")))):
-        if d and all(os.path.isfile(os.path.join(d, f)) for f in ("val.bin", "meta.json")):
-            return d
+    recorded = (ckpt.get("config") or {}).get("data_dir")
+    recorded = recorded if recorded and os.path.isabs(recorded) else None
+    candidates = [recorded] if recorded else [
+        info.get("data_dir"), os.path.dirname(info.get("path") or ""),
+        os.path.join(REPO, "data", str(info.get("dataset")))]
+    found = [d for d in candidates
+             if d and all(os.path.isfile(os.path.join(d, f)) for f in ("val.bin", "meta.json"))]
+    for d in found:
+        if not info.get("sha256") or tokenizer_sha256(d) == info["sha256"]:
+            return d  # (a run without tokenizer.model has nothing to check)
+    if found:
+        what = "missing" if tokenizer_sha256(found[0]) is None else "another"
+        raise CheckpointError(f"{found[0]} is not the dataset this run read: its tokenizer.model "
+                              f"is {what} (the run's has sha256 {info['sha256'][:12]}...): "
+                              f"prepared again since, or another corpus")
+    if recorded:
+        raise CheckpointError(f"the run read its data from {recorded}, which is gone (no val.bin "
+                              f"and meta.json there)")
     return None
+
+
+def tokenizer_sha256(folder):
+    path = os.path.join(folder, "tokenizer.model")
+    return file_sha256(path) if os.path.isfile(path) else None
 
 
 def describe(out_dir, ckpt, model):

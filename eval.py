@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import dataset_dir, describe, load_run, pick_device
+from checkpoint import CheckpointError, dataset_dir, describe, load_run, pick_device
 from configurator import ConfigError, configure
 from data.dataset import DatasetError, load_meta, open_split
 from data.documents import text_fields, whole_documents
@@ -122,7 +122,10 @@ def read_inputs(paths, field_spec):
 
 def own_split(ckpt, split_name):
     """The run's own val.bin or train.bin, read through data/dataset.py's checks."""
-    ddir = dataset_dir(ckpt)
+    try:
+        ddir = dataset_dir(ckpt)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}; score text files with --input instead")
     if not ddir:
         sys.exit(f"error: the run's dataset (val.bin, meta.json) is not found; pass --input "
                  f"or prepare dataset '{(ckpt.get('tokenizer') or {}).get('dataset')}' again")

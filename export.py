@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from checkpoint import dataset_dir, fsync_dir, load_run
+from checkpoint import CheckpointError, dataset_dir, fsync_dir, load_run
 from configurator import ConfigError, configure
 from data.dataset import DatasetError, open_split
 
@@ -256,8 +256,13 @@ def check_export(path, model, sp, text, dtype):
 
 
 def validation_text(ckpt, sp, max_tokens=20000):
-    """Some of the run's own validation text for the tokenizer checks ("" if not found)."""
-    ddir = dataset_dir(ckpt)
+    """Some of the run's own validation text for the tokenizer checks ("" if an older run's
+    dataset is not found)."""
+    try:
+        ddir = dataset_dir(ckpt)
+    except CheckpointError as e:  # checking the tokenizer on another corpus's ids would fail
+        sys.exit(f"error: {e}; the export check tokenizes the run's validation text "
+                 f"(--check=False exports without checking)")
     if not ddir:
         return ""
     try:

@@ -154,6 +154,7 @@ config.update(device=device, dtype=dtype)  # what actually ran, recorded in the 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
 ddir, meta = runs.open_dataset(dataset, data_dir, master, ddp)
+config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
 tokenizer = runs.tokenizer_identity(dataset, data_dir, ddir, meta)

@@ -366,9 +366,78 @@ def test_split_is_read_through_the_dataset_checks(run, tmp_path):
     full = (data / "val.bin").read_bytes()
     (data / "val.bin").write_bytes(full[:len(full) // 2])
     ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
-    ckpt["tokenizer"] = dict(ckpt["tokenizer"], data_dir=str(data))
+    ckpt["config"] = dict(ckpt["config"], data_dir=str(data))
     (tmp_path / "out").mkdir()
     torch.save(ckpt, tmp_path / "out" / "ckpt.pt")
     msg = err(f"--out_dir={tmp_path / 'out'}", "--split=val")
     assert str(data / "val.bin") in msg
     assert f"{len(full) // 2:,}" in msg and f"{len(full):,}" in msg
+
+
+# --- which corpus --split reads (issue 28) ----------------------------------------------------
+
+def moved_run(run, tmp_path, ckpt_edit):
+    """The fixture's run as if trained on a copy of its data at tmp_path/data (its checkpoint
+    edited by ckpt_edit(ckpt, copy)); returns (out_dir, the copy)."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(run["data"], data)
+    ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
+    ckpt_edit(ckpt, str(data))
+    (tmp_path / "out").mkdir()
+    torch.save(ckpt, tmp_path / "out" / "ckpt.pt")
+    return str(tmp_path / "out"), data
+
+
+def as_trained_on(ckpt, data):
+    ckpt["config"] = dict(ckpt["config"], data_dir=data)
+    ckpt["tokenizer"] = dict(ckpt["tokenizer"], data_dir=data,
+                             path=os.path.join(data, "tokenizer.model"))
+
+
+def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_path, monkeypatch):
+    """train.py records the folder it read (absolute). --split reads that folder; when it is
+    gone, or holds another tokenizer's ids, one line says so. The old search fell back to
+    data/<dataset> and scored another corpus (exit 0, or an IndexError half-way)."""
+    import shutil
+    import export
+    ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
+    assert ckpt["config"]["data_dir"] == os.path.abspath(run["data"])
+    # data/<dataset> next to the scripts holds another corpus with its own tokenizer
+    repo = tmp_path / "repo"
+    texts = [t for _, t in corpus_docs(12, seed=11)]
+    common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
+                   vocab_size=350, val_fraction=0.3, min_val_tokens=20, num_proc=1,
+                   log=lambda *a: None)
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "REPO", str(repo))
+    out, data = moved_run(run, tmp_path / "moved", as_trained_on)
+    r = json_eval(capsys, f"--out_dir={out}", "--split=val")  # read where it was trained
+    val = np.fromfile(data / "val.bin", dtype=np.uint16)
+    assert r["tokens"] == len(val) and r["input"] == str(data / "val.bin")
+    original = tmp_path / "original.model"  # the run's tokenizer, kept by the user
+    shutil.copy(data / "tokenizer.model", original)
+    shutil.rmtree(data)
+    msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={original}")
+    assert str(data) in msg and "gone" in msg and "--input" in msg
+    ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    msg = one_line_error(export.validation_text, ck, run["sp"])
+    assert str(data) in msg and "gone" in msg and "--check=False" in msg
+    # the folder is there but was prepared again with another tokenizer: its ids are not the
+    # run's, even when the run's own tokenizer is passed with --tokenizer
+    out, data = moved_run(run, tmp_path / "again", as_trained_on)
+    for fn in ("val.bin", "tokenizer.model"):
+        shutil.copy(repo / "data" / "tiny" / fn, data / fn)
+    msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={original}")
+    assert str(data) in msg and "tokenizer.model is another" in msg
+
+
+def test_split_of_an_older_checkpoint_keeps_its_search(run, capsys, tmp_path):
+    """A checkpoint from before the record (config data_dir as given, here "") still finds its
+    dataset by the tokenizer's folder."""
+    def older(ckpt, data):
+        as_trained_on(ckpt, data)
+        ckpt["config"]["data_dir"] = ckpt["tokenizer"]["data_dir"] = ""
+    out, data = moved_run(run, tmp_path, older)
+    r = json_eval(capsys, f"--out_dir={out}", "--split=val")
+    assert r["input"] == str(data / "val.bin")

@@ -300,8 +300,9 @@ def test_truncated_val_bin_is_refused_in_one_line(run, tmp_path):
     with open(data / "val.bin", "r+b") as f:
         f.truncate(os.path.getsize(data / "val.bin") // 2)
     info = dict(run["ckpt"]["tokenizer"], data_dir=str(data), path=str(data / "tokenizer.model"))
-    out = save_run(tmp_path / "out", dict(run["ckpt"], tokenizer=info), run["ckpt"]["model_args"],
-                   run["ckpt"]["model"])
+    config = dict(run["ckpt"]["config"], data_dir=str(data))  # the folder the run read
+    out = save_run(tmp_path / "out", dict(run["ckpt"], tokenizer=info, config=config),
+                   run["ckpt"]["model_args"], run["ckpt"]["model"])
     msg = err(f"--out_dir={out}")
     assert "val.bin" in msg and "meta.json" in msg
     assert os.listdir(out) == ["ckpt.pt"]

@@ -163,6 +163,15 @@ def test_tokenizer_identity_is_the_file_hash(tmp_path):
     assert tok["data_dir"] == d and tok["eos_id"] == 0 and tok["bos_id"] == 1
 
 
+def test_the_checkpoint_records_the_data_folder_it_read(data, tmp_path):
+    """eval.py --split and export.py find the run's data by this record: the folder as an
+    absolute path, whatever form --data_dir took (here relative to train.py's working folder,
+    which eval.py, run from elsewhere, would resolve against its own)."""
+    out = str(tmp_path / "out")
+    train(f"--data_dir={os.path.relpath(data, ROOT)}", f"--out_dir={out}", *TINY, "--max_iters=1")
+    assert load(out)["config"]["data_dir"] == os.path.abspath(data)
+
+
 def test_resume_is_exact(data, tmp_path):
     """12 iterations straight (evaluating every 3) == 6, stop, resume, 6 more (evaluating
     rarely): same weights and optimizer state. Dropout is on, so its RNG must resume too, and
