@@ -395,6 +395,19 @@ def as_trained_on(ckpt, data):
                              path=os.path.join(data, "tokenizer.model"))
 
 
+def another_corpus_in_data_dataset(tmp_path, monkeypatch):
+    """data/<dataset> next to the scripts (checkpoint.REPO, moved to tmp_path/repo) holds
+    another corpus with its own tokenizer: the folder the old search fell back to."""
+    import checkpoint
+    repo = tmp_path / "repo"
+    texts = [t for _, t in corpus_docs(12, seed=11)]
+    common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
+                   vocab_size=350, val_fraction=0.3, min_val_tokens=20, num_proc=1,
+                   log=lambda *a: None)
+    monkeypatch.setattr(checkpoint, "REPO", str(repo))
+    return repo
+
+
 def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_path, monkeypatch):
     """train.py records the folder it read (absolute). --split reads that folder; when it is
     gone, or holds another tokenizer's ids, one line says so. The old search fell back to
@@ -403,14 +416,7 @@ def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_
     import export
     ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
     assert ckpt["config"]["data_dir"] == os.path.abspath(run["data"])
-    # data/<dataset> next to the scripts holds another corpus with its own tokenizer
-    repo = tmp_path / "repo"
-    texts = [t for _, t in corpus_docs(12, seed=11)]
-    common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
-                   vocab_size=350, val_fraction=0.3, min_val_tokens=20, num_proc=1,
-                   log=lambda *a: None)
-    import checkpoint
-    monkeypatch.setattr(checkpoint, "REPO", str(repo))
+    repo = another_corpus_in_data_dataset(tmp_path, monkeypatch)
     out, data = moved_run(run, tmp_path / "moved", as_trained_on)
     r = json_eval(capsys, f"--out_dir={out}", "--split=val")  # read where it was trained
     val = np.fromfile(data / "val.bin", dtype=np.uint16)
@@ -432,12 +438,20 @@ def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_
     assert str(data) in msg and "tokenizer.model is another" in msg
 
 
-def test_split_of_an_older_checkpoint_keeps_its_search(run, capsys, tmp_path):
+def test_split_of_an_older_checkpoint_keeps_its_search(run, capsys, tmp_path, monkeypatch):
     """A checkpoint from before the record (config data_dir as given, here "") still finds its
-    dataset by the tokenizer's folder."""
+    dataset by the tokenizer's folder; when that is gone, data/<dataset> is taken only if its
+    tokenizer is the run's."""
+    import shutil
+
     def older(ckpt, data):
         as_trained_on(ckpt, data)
         ckpt["config"]["data_dir"] = ckpt["tokenizer"]["data_dir"] = ""
     out, data = moved_run(run, tmp_path, older)
     r = json_eval(capsys, f"--out_dir={out}", "--split=val")
     assert r["input"] == str(data / "val.bin")
+    repo = another_corpus_in_data_dataset(tmp_path, monkeypatch)
+    shutil.copy(data / "tokenizer.model", tmp_path / "original.model")
+    shutil.rmtree(data)
+    msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={tmp_path / 'original.model'}")
+    assert str(repo / "data" / "tiny") in msg and "not the dataset this run read" in msg
