@@ -54,7 +54,8 @@ def prepare_command(dataset, data_dir=""):
     if os.path.exists(os.path.join(REPO, "data", dataset, "prepare.py")):
         cmd, writes = f"python data/{dataset}/prepare.py", dataset
     elif base and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
-        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # the character-level variant
+        # the character-level variant, which writes data/<base>_char
+        cmd, writes = f"python data/{base}/prepare.py --char", dataset
     else:
         cmd, writes = "python data/text/prepare.py", "text"
     if cmd.startswith("python data/text/"):
