@@ -319,7 +319,8 @@ def add_arguments(p, vocab_size=4096, val_fraction=0.05):
                         "(one block + 1)")
     p.add_argument("--sample_bytes", type=int, default=4_000_000,
                    help="size of the seeded sample the tokenizer is trained on")
-    p.add_argument("--seed", type=int, default=1337, help="the tokenizer sample and the split")
+    p.add_argument("--seed", type=int, default=1337,
+                   help="the tokenizer sample and the split (0 to 2**64 - 1)")
     p.add_argument("--num_proc", type=int, default=None, metavar="N",
                    help="worker processes (default: every core); the output is the same for any N")
 
