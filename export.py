@@ -27,6 +27,7 @@ import torch
 from checkpoint import dataset_dir, fsync_dir, load_run
 from configurator import ConfigError, configure
 from data.dataset import DatasetError, open_split
+from model import ntk_base
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -72,7 +73,7 @@ def neox_config(c, eos_id, torch_dtype):
     head_dim = c.n_embd // c.n_head
     theta, context, scaling = c.rope_base, c.block_size, None
     if c.rope_scaling == "ntk":  # static NTK-aware scaling is plain RoPE with a larger base
-        theta = c.rope_base * c.rope_factor ** (head_dim / (head_dim - 2))
+        theta = ntk_base(c.rope_base, c.rope_factor, head_dim)
         context = int(c.block_size * c.rope_factor)
     elif c.rope_scaling == "linear" and c.rope_factor != 1.0:  # positions divided by factor
         scaling = {"rope_type": "linear", "type": "linear", "factor": c.rope_factor}
