@@ -294,6 +294,44 @@ def test_unigram_tokenizer_and_bad_arguments_are_refused(run, tmp_path, monkeypa
     assert os.listdir(tmp_path) == []
 
 
+def test_a_path_export_would_destroy_is_refused(run, tmp_path):
+    """Issue 28: --gguf=out/ckpt.pt replaced the training state with a GGUF file. A path that is
+    a file of a run (its checkpoint, log, DCP folder; there or not yet) or an existing file
+    that is not GGUF is refused in one line, unchanged; an existing GGUF file is replaced."""
+    folder = tmp_path / "run"
+    out = save_run(folder, run["ckpt"], run["ckpt"]["model_args"], run["ckpt"]["model"])
+    (folder / "log.jsonl").write_text('{"iter": 0}\n')
+    (folder / "ckpt-5.0.dcp").mkdir()
+    (folder / "ckpt-5.0.dcp" / "__0_0.distcp").write_bytes(b"shard")
+    (tmp_path / "notes.txt").write_text("keep me")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for target in ("ckpt.pt", "log.jsonl", "ckpt-5.0.dcp/__0_0.distcp", "ckpt-5.0.dcp/new.gguf",
+                   "ckpt.pt.tmp", "log.20250101-000000.jsonl"):
+        msg = err(f"--out_dir={out}", f"--gguf={folder / target}", "--check=False")
+        assert "file of the run" in msg and str(folder) in msg, msg
+    msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'notes.txt'}", "--check=False")
+    assert "not a GGUF file" in msg
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # beside the run's files, and over a GGUF file, export writes
+    for _ in range(2):
+        export.main([f"--out_dir={out}", f"--gguf={folder / 'model.gguf'}", "--check=False"])
+    assert (folder / "model.gguf").read_bytes()[:4] == b"GGUF"
+    assert sorted(os.listdir(folder)) == ["ckpt-5.0.dcp", "ckpt.pt", "log.jsonl", "model.gguf"]
+
+
+def test_a_failed_llama_cpp_check_leaves_nothing_behind(run, tmp_path, monkeypatch):
+    """The file is checked under its temp name: when llama.cpp disagrees with our model, no file
+    goes into place and the previous one stays as it was."""
+    path = tmp_path / "m.gguf"
+    monkeypatch.setattr(gguf_export, "check_with_llama_cpp", lambda *a: False)
+    assert "do not match" in err(f"--out_dir={run['out']}", f"--gguf={path}")
+    assert os.listdir(tmp_path) == []
+    export.main([f"--out_dir={run['out']}", f"--gguf={path}", "--check=False"])
+    before = path.read_bytes()
+    assert "do not match" in err(f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32")
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["m.gguf"]
+
+
 def test_failed_write_keeps_the_previous_file(run, tmp_path, monkeypatch):
     """ENOSPC when the new file is synced: one line, the previous file unchanged, no temp."""
     path = tmp_path / "m.gguf"
