@@ -9,8 +9,11 @@ import errno
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -471,6 +474,59 @@ def test_llama_cpp_logits_equal_ours_with_rope_scaling(run, tmp_path, scaling, f
         with torch.no_grad():
             unscaled = plain(ids[None])[0][0].numpy()
         assert np.abs(theirs - ours).max() < 0.1 * np.abs(unscaled - ours).max()
+
+
+def wait_until_serving(url, server, log_path, timeout=120):
+    """Poll `url` until the server answers; fail with its log if it exits or never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}): {open(log_path).read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:  # not listening yet (URLError is an OSError)
+            time.sleep(0.5)
+    pytest.fail(f"the server did not answer in {timeout} s: {open(log_path).read()[-2000:]}")
+
+
+def test_llama_cpp_server_round_trip(run, tmp_path):
+    """The README's serving block: llama-cpp-python's OpenAI-compatible server, listening on
+    127.0.0.1 only, serves the f32 file, and a greedy completion through the openai client is
+    our model's greedy continuation of the same prompt. The server is stopped in any case."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extras are not "
+                        "installed: pip install 'llama-cpp-python[server]'")
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", run["files"]["f32"],
+             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(BLOCK)],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        wait_until_serving(base + "/models", server, log_path)
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        prompt = "def value_1(x):\n    return"
+        # temperature 0 is greedy; the server's default repeat penalty (1.1) would move logits
+        reply = client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"repeat_penalty": 1.0})
+        sp, ids = run["sp"], run["sp"].encode(prompt)
+        new = decoding.generate(run["model"], torch.tensor([ids]), 16, temperature=0)[0, len(ids):]
+        new = new.tolist()
+        new = new[:new.index(sp.eos_id())] if sp.eos_id() in new else new  # it stops at EOS
+        assert reply.choices[0].text == sp.decode(new)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def test_without_llama_cpp_the_check_is_a_note(run, capsys, tmp_path, monkeypatch):
