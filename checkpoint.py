@@ -196,14 +196,21 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
     try:
         ckpt = read(ckpt_path)
         model_args = dict(ckpt["model_args"])
-        if rope_scaling or rope_factor:
-            model_args = rescale(model_args, rope_scaling, rope_factor)
+        config = RoFormerConfig(**model_args)
     except CheckpointError as e:
         sys.exit(f"error: {e}")
-    try:
-        model = RoFormer(RoFormerConfig(**model_args))
     except (TypeError, ValueError) as e:
         sys.exit(f"error: model config in {ckpt_path}: {e}")
+    if rope_scaling or rope_factor:  # the checkpoint's config is valid: a refusal is the flags'
+        flags = " ".join(f"--{k}={v}" for k, v in (("rope_scaling", rope_scaling),
+                                                   ("rope_factor", rope_factor)) if v)
+        try:
+            config = RoFormerConfig(**rescale(model_args, rope_scaling, rope_factor))
+        except CheckpointError as e:
+            sys.exit(f"error: {e}")
+        except ValueError as e:
+            sys.exit(f"error: {flags} does not fit this model: {e}")
+    model = RoFormer(config)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:  # weights of another shape or another model file

@@ -9,13 +9,17 @@ file that llama.cpp, ollama and LM Studio run (gguf_export.py).
     python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
 
 The folder holds config.json, generation_config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json. It is written next to its place and renamed into it when complete, so
-a failed export (a full disk) leaves the previous export, if any, as it was. Afterwards it is
-loaded back with transformers and checked: the same logits as ours on a random block, the same
-token ids as sentencepiece on the run's own validation text (--check=False skips that; it is
-what needs transformers). A GGUF file is read back with gguf's reader (every key and tensor)
-and, where llama-cpp-python is installed, run by llama.cpp and compared with our model.
+tokenizer_config.json. It is written next to its place, loaded back there with transformers and
+checked (the same logits as ours on a random block, the same token ids as sentencepiece on the
+run's own validation text; --check=False skips that, it is what needs transformers), and only
+then renamed into place, so a failed export (a full disk, a failed check) leaves the previous
+export, if any, as it was. A GGUF file is read back with gguf's reader (every key and tensor)
+and, where llama-cpp-python is installed, run by llama.cpp and compared with our model, also
+before its rename. What neither format maps (a config field, a state-dict key or shape, a
+module: see refusal) is refused in one line before anything is written.
 """
+import dataclasses
+import fnmatch
 import importlib
 import json
 import os
@@ -23,10 +27,12 @@ import shutil
 import sys
 
 import torch
+import torch.nn as nn
 
 from checkpoint import CheckpointError, dataset_dir, fsync_dir, load_run
 from configurator import ConfigError, configure
 from data.dataset import DatasetError, open_split
+from model import ntk_base
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -51,16 +57,92 @@ def need(module, package=None):
         sys.exit(f"error: export.py needs the '{package}' package: pip install {package}")
 
 
-def refusal(c):
-    """Why this model has no faithful GPT-NeoX form, or None when it has one."""
-    if c.attention != "softmax":
+# The exports' allow-list: every RoFormerConfig field with the values both exports map
+# (ANY: every value the config accepts; UNUSED: read only by models refused here, linear
+# attention and the relative baselines). A field model.py gains later is not listed, so a model
+# that has one is refused until an export learns to map it; likewise any state-dict key or
+# shape that expected_shapes does not list.
+ANY, UNUSED = "any", "unused"
+MAPPED_FIELDS = {
+    "vocab_size": ANY, "block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
+    "dropout": ANY, "bias": (False, True), "rope_base": ANY, "rope_factor": ANY,
+    "attention": ("softmax",), "pos_encoding": ("rope",), "rope_scaling": ("none", "linear", "ntk"),
+    "feature_map": UNUSED, "linear_chunk": UNUSED, "linear_norm": UNUSED, "rel_clip": UNUSED,
+    "t5_buckets": UNUSED, "t5_max_distance": UNUSED,
+}
+EXPORT_FIELDS = {"hf": MAPPED_FIELDS, "gguf": MAPPED_FIELDS}  # the same model in both formats
+
+
+def config_refusal(c, kind):
+    """The first config field (or value) the `kind` export does not map, as a reason."""
+    if getattr(c, "attention", None) not in (None, "softmax"):
         return (f"attention={c.attention!r}: transformers has no architecture with RoFormer's "
                 f"linear attention (eq. 19), so no loader would compute what this model computes")
-    if c.pos_encoding != "rope":
+    if getattr(c, "pos_encoding", None) not in (None, "rope"):
         return (f"pos_encoding={c.pos_encoding!r}: GPT-NeoX knows positions only through RoPE, "
                 f"so only pos_encoding='rope' exports (learned positions are not exported as "
                 f"GPT-2 either)")
+    mapped = EXPORT_FIELDS[kind]
+    names = [f.name for f in dataclasses.fields(c)] if dataclasses.is_dataclass(c) else list(vars(c))
+    for name in names:
+        value = getattr(c, name)
+        if name not in mapped:
+            return f"config field {name}={value!r} is not one the {kind} export maps"
+        if isinstance(mapped[name], tuple) and value not in mapped[name]:
+            return f"config field {name}={value!r}: the {kind} export maps only {mapped[name]}"
+    missing = [n for n, allowed in mapped.items() if allowed != UNUSED and n not in names]
+    return f"the config has no field {missing[0]}, which the {kind} export reads" if missing else None
+
+
+def expected_shapes(c):
+    """{state-dict key: shape} of the model both exports map for config c: GPT-NeoX's block
+    (LayerNorms, one qkv matrix, a GELU MLP 4x wide, biases only with bias=True) and an output
+    head that is the token embedding."""
+    C = c.n_embd
+    shapes = {"wte.weight": (c.vocab_size, C), "lm_head.weight": (c.vocab_size, C),
+              "ln_f.weight": (C,), **({"ln_f.bias": (C,)} if c.bias else {})}
+    layer = {"ln_1": (C,), "attn.c_attn": (3 * C, C), "attn.c_proj": (C, C), "ln_2": (C,),
+             "mlp.c_fc": (4 * C, C), "mlp.c_proj": (C, 4 * C)}
+    for i in range(c.n_layer):
+        for name, shape in layer.items():
+            shapes[f"blocks.{i}.{name}.weight"] = shape
+            if c.bias:
+                shapes[f"blocks.{i}.{name}.bias"] = shape[:1]
+    return shapes
+
+
+def module_refusal(model):
+    """Modules whose computation has no parameter to show it: the exports write exact GELU and
+    LayerNorm eps 1e-5, so a model built of anything else (another activation) is refused."""
+    for name, m in model.named_modules():
+        if next(m.children(), None) is None and not (
+                type(m) in (nn.Embedding, nn.Linear, nn.Dropout)
+                or (type(m) is nn.GELU and m.approximate == "none")
+                or (type(m) is nn.LayerNorm and m.eps == 1e-5)):
+            return f"module {name} is {m!r}, which the exports do not map"
     return None
+
+
+def refusal(model, kind):
+    """Why `model` has no faithful form in the `kind` export ("hf" or "gguf"), or None: the
+    first config field, state-dict key or shape, or module it does not map, in one line."""
+    why = config_refusal(model.config, kind)
+    if why:
+        return why
+    state, expected = model.state_dict(), expected_shapes(model.config)
+    for key, tensor in state.items():
+        if key not in expected:
+            return f"state-dict key {key} is not one the {kind} export maps"
+        if tuple(tensor.shape) != expected[key]:
+            return (f"state-dict key {key} has shape {list(tensor.shape)}, the {kind} export "
+                    f"maps {list(expected[key])}")
+    missing = [key for key in expected if key not in state]
+    if missing:
+        return f"the model has no {missing[0]}, which the {kind} export writes"
+    head, wte = state["lm_head.weight"], state["wte.weight"]
+    if head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
+        return f"lm_head.weight is not wte.weight: the {kind} export writes a tied output head"
+    return module_refusal(model)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -72,7 +154,7 @@ def neox_config(c, eos_id, torch_dtype):
     head_dim = c.n_embd // c.n_head
     theta, context, scaling = c.rope_base, c.block_size, None
     if c.rope_scaling == "ntk":  # static NTK-aware scaling is plain RoPE with a larger base
-        theta = c.rope_base * c.rope_factor ** (head_dim / (head_dim - 2))
+        theta = ntk_base(c.rope_base, c.rope_factor, head_dim)
         context = int(c.block_size * c.rope_factor)
     elif c.rope_scaling == "linear" and c.rope_factor != 1.0:  # positions divided by factor
         scaling = {"rope_type": "linear", "type": "linear", "factor": c.rope_factor}
@@ -284,15 +366,16 @@ def check_replaceable(path):
                      f"export replaces the whole folder, so pass an empty or new --hf_dir")
 
 
-def write_folder(path, files):
+def write_folder(path, files, check=None):
     """files {name: bytes} -> the folder `path`. Written into a temp folder next to it, each file
-    and the folder synced, then renamed into place: a failure at any point (a full disk) leaves
-    no folder that looks complete, and the previous export, if any, as it was."""
+    and the folder synced, checked there (check(folder) -> a reason it is wrong, or None), then
+    renamed into place: a failure at any point (a full disk, a failed check) leaves no folder
+    that looks complete, and the previous export, if any, as it was."""
     parent = os.path.dirname(os.path.abspath(path))
-    tmp = None
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    problem = None
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
         for leftover in (tmp, tmp + ".old"):  # from a killed export that had this pid
             shutil.rmtree(leftover, ignore_errors=True)
         os.mkdir(tmp)
@@ -302,19 +385,22 @@ def write_folder(path, files):
                 f.flush()
                 os.fsync(f.fileno())
         fsync_dir(tmp)
-        if os.path.isdir(path):  # the previous export goes only once the new one is complete
+        problem = check(tmp) if check else None
+        if problem is None and os.path.isdir(path):  # the previous export goes only now
             os.rename(path, tmp + ".old")
             os.rename(tmp, path)
             shutil.rmtree(tmp + ".old", ignore_errors=True)
-        else:
+        elif problem is None:
             os.rename(tmp, path)
         fsync_dir(parent)
     except OSError as e:
-        if tmp and os.path.isdir(tmp + ".old") and not os.path.exists(path):
+        if os.path.isdir(tmp + ".old") and not os.path.exists(path):
             os.rename(tmp + ".old", path)
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        sys.exit(f"error: cannot write {path}: {e.strerror or e}")
+        problem = f"cannot write {path}: {e.strerror or e}"
+    finally:  # whatever happened, a temp folder is never left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+    if problem:
+        sys.exit(f"error: {problem}")
 
 
 def hf_files(model, sp, dtype):
@@ -332,56 +418,111 @@ def hf_files(model, sp, dtype):
     return files
 
 
+def hf_check(folder, model, sp, text, dtype):
+    """export.py's own check of the folder before it goes into place: the check line, and the
+    reason it fails or None."""
+    c = model.config
+    diff, bad, n = check_export(folder, model, sp, text, getattr(torch, dtype))
+    print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
+          f"blocks of {c.block_size}; token ids equal to sentencepiece on {n - bad}/{n} texts",
+          file=sys.stderr)
+    if bad or diff > 1e-3:
+        return ("the exported model or tokenizer does not match this run (see the check line "
+                "above); nothing was written")
+    return None
+
+
 def export_hf(cfg, model, sp, text):
     path = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
     check_replaceable(path)
     files = hf_files(model, sp, cfg["dtype"])
-    write_folder(path, files)
     conf = json.loads(files["config.json"])
+    write_folder(path, files, (lambda folder: hf_check(folder, model, sp, text, cfg["dtype"]))
+                 if cfg["check"] else None)
     print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
           f"({cfg['dtype']}, {len(files['model.safetensors']) / 1e6:.1f} MB), rope_theta "
           f"{conf['rope_theta']:g}, tokenizer {sp.get_piece_size()} pieces, eos "
           f"{sp.id_to_piece(sp.eos_id())!r}", file=sys.stderr)
-    if cfg["check"]:
-        c = model.config
-        diff, bad, n = check_export(path, model, sp, text, getattr(torch, cfg["dtype"]))
-        print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
-              f"blocks of {c.block_size}; token ids equal to sentencepiece on {n - bad}/{n} texts",
-              file=sys.stderr)
-        if bad or diff > 1e-3:
-            sys.exit("error: the exported model or tokenizer does not match this run (see the "
-                     "check line above)")
+
+
+def check_gguf_path(path):
+    """Refuse, before anything is written, a --gguf path whose replacement would destroy
+    something: a folder, an existing file that is not a GGUF file (its first 4 bytes are
+    b"GGUF"), or a file that a training run owns (see run_file), even one not there yet."""
+    if os.path.isdir(path):
+        sys.exit(f"error: --gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
+    owner = run_file(path)
+    if owner:
+        sys.exit(f"error: --gguf={path} is a file of the run in {owner} (its checkpoints, logs and "
+                 f"their folders); write the GGUF file elsewhere, e.g. {owner}/model.gguf")
+    if os.path.lexists(path):
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            sys.exit(f"error: --gguf={path}: cannot read it ({e.strerror or e})")
+        if magic != b"GGUF":
+            sys.exit(f"error: --gguf={path} exists and is not a GGUF file; export replaces only "
+                     f"a GGUF file: remove it or give another path")
+
+
+# What train.py writes in a run folder (a folder with ckpt.pt): checkpoints and their temp, DCP
+# and moved-aside forms (runs.py), logs, wandb's folder.
+RUN_FILES = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.*.pt", "ckpt-*.dcp", "ckpt-*.dcp.tmp", "log.jsonl",
+             "log.*.jsonl", "wandb")
+
+
+def run_file(path):
+    """The run folder whose own file (or a file inside whose own folder) `path` is, or None."""
+    path = os.path.abspath(path)
+    folder, first = os.path.dirname(path), os.path.basename(path)
+    while True:
+        if os.path.isfile(os.path.join(folder, "ckpt.pt")) and \
+                any(fnmatch.fnmatchcase(first, pattern) for pattern in RUN_FILES):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder, first = parent, os.path.basename(folder)
 
 
 def export_gguf(cfg, model, sp, proto, text):
     """--gguf: the file written under a temp name next to its place, synced, read back and
-    checked key by key and tensor by tensor, then renamed into place; then, where
-    llama-cpp-python is installed, run by llama.cpp and compared with our model."""
+    checked key by key and tensor by tensor, where llama-cpp-python is installed run by
+    llama.cpp and compared with our model, and only then renamed into place: a failure or a
+    failed check leaves no file and the previous one, if any, as it was."""
     import gguf_export  # only here: it imports the optional gguf package
     path, kind = cfg["gguf"], cfg["gguf_type"]
-    if os.path.isdir(path):
-        sys.exit(f"error: --gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
     name = os.path.basename(os.path.abspath(cfg["out_dir"]))
     metadata = gguf_export.gguf_metadata(model.config, sp, proto, kind, name)
     tensors = gguf_export.gguf_tensors(model, kind)
-    parent, tmp = os.path.dirname(os.path.abspath(path)), None
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    problem = None
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
         gguf_export.write_gguf(tmp, metadata, tensors)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         problems = gguf_export.verify_gguf(tmp, metadata, tensors)
         if problems:
-            raise ValueError(f"the file read back differs from what was written: {problems[0]}")
-        os.replace(tmp, path)
-        fsync_dir(parent)
+            problem = f"cannot write {path}: the file read back differs from what was written: " \
+                      f"{problems[0]}"
+        elif cfg["check"] and not gguf_export.check_with_llama_cpp(tmp, model, sp, text):
+            problem = ("llama.cpp's tokenizer or logits do not match this run (see the check "
+                       "line above); nothing was written")
+        else:
+            os.replace(tmp, path)
+            fsync_dir(parent)
     except (OSError, ValueError) as e:
-        if tmp and os.path.exists(tmp):
-            os.remove(tmp)
         reason = getattr(e, "strerror", None) or (f"{e} (a short write: is the disk full?)"
                                                    if isinstance(e, OSError) else e)
-        sys.exit(f"error: cannot write {path}: {reason}")
+        problem = f"cannot write {path}: {reason}"
+    finally:  # whatever happened, the temp file is never left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if problem:
+        sys.exit(f"error: {problem}")
     kept_f16 = sum(t[1].name == "F16" for t in tensors.values()) if kind == "q8_0" else 0
     print(f"wrote {path}: gguf {gguf_export.ARCH}, {model.num_params() / 1e6:.2f}M params ({kind}"
           f"{f', {kept_f16} tensors f16 (rows not a multiple of 32)' if kept_f16 else ''}, "
@@ -389,9 +530,6 @@ def export_gguf(cfg, model, sp, proto, text):
           f"{metadata[f'{gguf_export.ARCH}.rope.freq_base'][0]:g}, tokenizer "
           f"{sp.get_piece_size()} pieces (llama.cpp SPM), eos {sp.id_to_piece(sp.eos_id())!r}; "
           f"read back: {len(metadata)} keys and {len(tensors)} tensors as written", file=sys.stderr)
-    if cfg["check"] and not gguf_export.check_with_llama_cpp(path, model, sp, text):
-        sys.exit("error: llama.cpp's tokenizer or logits do not match this run (see the check "
-                 "line above)")
 
 
 def parse_args(argv):
@@ -408,6 +546,7 @@ def parse_args(argv):
     need("sentencepiece.sentencepiece_model_pb2", "protobuf")  # both read the tokenizer's pieces
     if cfg["gguf"]:
         need("gguf")
+        check_gguf_path(cfg["gguf"])
     else:
         need("safetensors.torch")
         need("tokenizers")
@@ -420,7 +559,7 @@ def main(argv):
     cfg = parse_args(argv)
     # float32 on the CPU: export copies the exact weights, it computes nothing
     model, sp, ckpt = load_run(cfg["out_dir"], torch.device("cpu"), "float32", cfg["tokenizer"])
-    why = refusal(model.config)
+    why = refusal(model, "gguf" if cfg["gguf"] else "hf")
     if why:
         sys.exit(f"error: cannot export {cfg['out_dir']}: {why}")
     if sp.eos_id() < 0:

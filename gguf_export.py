@@ -20,6 +20,8 @@ import torch
 
 import gguf
 
+from model import ntk_base
+
 ARCH = "gptneox"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 
@@ -32,7 +34,7 @@ def rope_metadata(c):
     scaling (positions divided by the factor) has its own keys."""
     head_dim = c.n_embd // c.n_head
     if c.rope_scaling == "ntk":
-        return c.rope_base * c.rope_factor ** (head_dim / (head_dim - 2)), c.context_window, None
+        return ntk_base(c.rope_base, c.rope_factor, head_dim), c.context_window, None
     if c.rope_scaling == "linear" and c.rope_factor != 1.0:
         return c.rope_base, c.context_window, c.rope_factor
     return c.rope_base, c.block_size, None

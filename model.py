@@ -58,6 +58,8 @@ class RoFormerConfig:
              f"t5_buckets // 2 = {self.t5_buckets // 2} exact buckets"),
             (self.n_embd % self.n_head, f"n_embd {self.n_embd} must be divisible by n_head"),
             (pe == "rope" and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
+            (pe == "rope" and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises "
+             f"the base to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
             (pe == "sinusoidal" and self.n_embd % 2, "sinusoidal positions need an even n_embd"),
             (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
             (self.rope_base <= 1.0 or self.rope_factor < 1.0, "rope_base must be > 1 and "
@@ -87,12 +89,19 @@ def init_parameter(name, p, n_layer, generator=None):
 # 2. RoPE. Channel i of a head pairs with channel i + d/2 ("half split", as GPT-NeoX) and turns
 # by m * theta_i at position m. The paper pairs adjacent channels: the same maths up to a fixed
 # permutation of q/k channels (but checkpoints are not interchangeable between the layouts).
+def ntk_base(base, factor, head_dim):
+    """Static NTK-aware scaling is plain RoPE with a larger base: base * factor^(d/(d-2)) slows
+    the lowest frequency `factor` times and keeps the highest. The one place this formula lives
+    (rope_table and both exports use it); d > 2, which RoFormerConfig checks."""
+    return base * factor ** (head_dim / (head_dim - 2))
+
+
 def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
     from float64 (a float32 angle is off by ~3e-2 rad at m = 1e6). Context extension: linear
-    divides positions by `factor`; ntk grows the base to base * factor^(d/(d-2))."""
+    divides positions by `factor`; ntk grows the base (ntk_base)."""
     if scaling == "ntk":
-        base = base * factor ** (head_dim / (head_dim - 2))
+        base = ntk_base(base, factor, head_dim)
     # on the CPU (float64 exists there), also when the model is built under device("meta")
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device="cpu").double() / head_dim)
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)

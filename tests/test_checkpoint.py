@@ -38,7 +38,7 @@ def tokenizer(tmp_path_factory):
 def write_run(out, tokenizer, **model_args):
     """A run folder as train.py writes it, for a model with these arguments."""
     torch.manual_seed(0)
-    model = RoFormer(RoFormerConfig(**ARGS, **model_args))
+    model = RoFormer(RoFormerConfig(**dict(ARGS, **model_args)))
     os.makedirs(out, exist_ok=True)
     torch.save({"model": model.state_dict(), "model_args": model.config.__dict__,
                 "tokenizer": tokenizer, "iter_num": 1, "best_val_loss": 1.0},
@@ -88,6 +88,32 @@ def test_rope_scaling_mistakes_are_one_line(tmp_path, tokenizer):
     # switching scaling off on a model that never had it is no mistake
     model, _, _ = checkpoint.load_run(learned, cpu, "float32", rope_scaling="none")
     assert model.config.rope_factor == 1.0
+
+
+def test_a_bad_rope_scaling_flag_is_blamed_on_the_flag(tmp_path, tokenizer):
+    """The checkpoint's own config is fine, so a config the flags make invalid is their fault:
+    the line names the flags, not ckpt.pt; and ntk at head dim 2 is that line, not a
+    ZeroDivisionError."""
+    rope, tiny_heads = str(tmp_path / "rope"), str(tmp_path / "tiny_heads")
+    write_run(rope, tokenizer)
+    write_run(tiny_heads, tokenizer, n_head=16)  # head dim 32 / 16 = 2
+    for out, kwargs, words in [
+        (rope, dict(rope_scaling="yarn"), "--rope_scaling=yarn"),
+        (rope, dict(rope_scaling="linear", rope_factor=0.5), "--rope_factor=0.5"),
+        (tiny_heads, dict(rope_scaling="ntk", rope_factor=2.0), "head dim 2 must be above 2"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.load_run(out, torch.device("cpu"), "float32", **kwargs)
+        msg = str(e.value)
+        assert msg.startswith("error: ") and "\n" not in msg and words in msg, msg
+        assert "ckpt.pt" not in msg and "--rope_scaling=" in msg
+    # the checkpoint's own config at fault is still blamed on the checkpoint
+    torch.save(dict(torch.load(os.path.join(rope, "ckpt.pt"), weights_only=True),
+                    model_args=dict(ARGS, n_head=3)), os.path.join(rope, "ckpt.pt"))
+    with pytest.raises(SystemExit) as e:
+        checkpoint.load_run(rope, torch.device("cpu"), "float32", rope_scaling="ntk",
+                            rope_factor=2.0)
+    assert "model config in" in str(e.value) and "ckpt.pt" in str(e.value)
 
 
 @pytest.mark.parametrize("content", [b"", b"not a checkpoint at all\n", "truncated"])

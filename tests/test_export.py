@@ -4,6 +4,8 @@ the exported folder (its logits, its greedy generate) against our model, the exp
 tokenizer loaded by AutoTokenizer against sentencepiece, and eval.py's bits per byte against
 one computed from the exported model's logits and tokenizer alone.
 """
+import copy
+import dataclasses
 import errno
 import json
 import math
@@ -24,6 +26,7 @@ pytest.importorskip("safetensors", reason="export.py writes model.safetensors wi
 pytest.importorskip("tokenizers", reason="export.py builds tokenizer.json with tokenizers")
 transformers = pytest.importorskip("transformers", reason="the exported folder is checked by "
                                    "loading it with transformers")
+import checkpoint  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 import generate as decoding  # noqa: E402
@@ -260,10 +263,119 @@ def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, re
 
 def test_any_other_position_encoding_is_refused():
     """Checked by value: encodings model.py may gain later (alibi, t5, ...) are refused too."""
+    model = RoFormer(RoFormerConfig(**TINY))
     for pos in ("alibi", "t5", "shaw", "something"):
-        assert "only through RoPE" in export.refusal(SimpleNamespace(attention="softmax",
-                                                                     pos_encoding=pos))
-    assert export.refusal(SimpleNamespace(attention="softmax", pos_encoding="rope")) is None
+        c = copy.copy(model.config)
+        c.pos_encoding = pos  # past __post_init__: a value RoFormerConfig may accept one day
+        for kind in ("hf", "gguf"):
+            assert "only through RoPE" in export.refusal(SimpleNamespace(config=c), kind)
+    assert export.refusal(model, "hf") is None and export.refusal(model, "gguf") is None
+
+
+TINY = dict(vocab_size=50, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+
+def with_field(model, name, value):
+    """The model with a config that has one field more, as a researcher's option would add."""
+    Extended = dataclasses.make_dataclass("Extended", [(name, type(value), value)],
+                                          bases=(RoFormerConfig,))
+    model.config = Extended(**dataclasses.asdict(model.config))
+    return model
+
+
+def qk_norm(model):  # QK-norm: a new parameter per layer
+    model.blocks[0].attn.q_norm = torch.nn.LayerNorm(8)
+    return model
+
+
+def swiglu(model):  # SwiGLU: a gate matrix beside c_fc
+    model.blocks[1].mlp.c_gate = torch.nn.Linear(16, 64, bias=False)
+    return model
+
+
+def narrow_mlp(model):  # another MLP width: the shapes the exports write would be wrong
+    model.blocks[0].mlp.c_fc = torch.nn.Linear(16, 32, bias=False)
+    model.blocks[0].mlp.c_proj = torch.nn.Linear(32, 16, bias=False)
+    return model
+
+
+def untied(model):
+    model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone() + 1)
+    return model
+
+
+def activation(act):
+    def change(model):  # same keys and shapes: only the module says what is computed
+        model.blocks[1].mlp.gelu = act
+        return model
+    return change
+
+
+def no_bias_field(model):  # a config that lost a field the exports read
+    model.config = SimpleNamespace(**{k: v for k, v in vars(model.config).items() if k != "bias"})
+    return model
+
+
+@pytest.mark.parametrize("change,named", [
+    (lambda m: with_field(m, "mlp", "swiglu"), "mlp='swiglu'"),
+    (lambda m: with_field(m, "qk_norm", True), "qk_norm=True"),
+    (lambda m: with_field(m, "rotary_pct", 0.5), "rotary_pct=0.5"),
+    (qk_norm, "blocks.0.attn.q_norm.weight"),
+    (swiglu, "blocks.1.mlp.c_gate.weight"),
+    (narrow_mlp, "blocks.0.mlp.c_fc.weight has shape [32, 16]"),
+    (untied, "lm_head.weight"),
+    (activation(torch.nn.SiLU()), "SiLU"),
+    (activation(torch.nn.GELU(approximate="tanh")), "tanh"),
+    (no_bias_field, "no field bias"),
+])
+def test_refusal_maps_what_it_knows_and_names_the_first_thing_it_does_not(change, named):
+    """Issue 28: a model.py change (a SwiGLU MLP, QK-norm, partial rotary) exported as if it
+    were the plain model. Both exports allow-list the config fields, the state-dict keys and
+    shapes and the modules they map, and name the first other one in one line."""
+    for kind in ("hf", "gguf"):
+        for bias in (False, True):
+            model = RoFormer(RoFormerConfig(**TINY, bias=bias))
+            assert export.refusal(model, kind) is None
+            why = export.refusal(change(model), kind)
+            assert why and named in why and "\n" not in why, why
+
+
+class QKNormRoFormer(RoFormer):
+    """model.py as a researcher changed it: a q_norm per attention layer (the forward is left
+    alone: what matters is that the weights are in the checkpoint and no export maps them)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        for block in self.blocks:
+            block.attn.q_norm = torch.nn.LayerNorm(cfg.n_embd // cfg.n_head, bias=False)
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_a_changed_model_is_refused_before_anything_is_written(run, tmp_path, monkeypatch, kind):
+    if kind == "gguf":
+        pytest.importorskip("gguf")
+    monkeypatch.setattr(checkpoint, "RoFormer", QKNormRoFormer)  # load_run builds this one
+    args = run["ckpt"]["model_args"]
+    state = QKNormRoFormer(RoFormerConfig(**args)).state_dict()
+    out = save_run(tmp_path / "out", run["ckpt"], args, state)
+    target = ["--gguf=" + str(tmp_path / "m.gguf")] if kind == "gguf" else []
+    msg = err(f"--out_dir={out}", *target)
+    assert "cannot export" in msg and "blocks.0.attn.q_norm.weight" in msg
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["ckpt.pt"]
+
+
+def test_a_failed_check_leaves_nothing_behind(run, tmp_path, monkeypatch):
+    """The folder is checked where it was written, beside its place: a failed check removes it
+    and keeps the previous export (or none) exactly as it was."""
+    target = tmp_path / "hf"
+    monkeypatch.setattr(export, "check_export", lambda *a: (1.0, 0, 3))  # logits differ
+    assert "does not match" in err(f"--out_dir={run['out']}", f"--hf_dir={target}")
+    assert os.listdir(tmp_path) == []
+    export.main([f"--out_dir={run['out']}", f"--hf_dir={target}", "--check=False"])
+    before = hf_folder_state(target)
+    assert "does not match" in err(f"--out_dir={run['out']}", f"--hf_dir={target}",
+                                   "--dtype=float16")
+    assert hf_folder_state(target) == before and os.listdir(tmp_path) == ["hf"]
 
 
 def test_missing_packages_and_bad_arguments(run, monkeypatch):

@@ -9,8 +9,11 @@ import errno
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -294,6 +297,44 @@ def test_unigram_tokenizer_and_bad_arguments_are_refused(run, tmp_path, monkeypa
     assert os.listdir(tmp_path) == []
 
 
+def test_a_path_export_would_destroy_is_refused(run, tmp_path):
+    """Issue 28: --gguf=out/ckpt.pt replaced the training state with a GGUF file. A path that is
+    a file of a run (its checkpoint, log, DCP folder; there or not yet) or an existing file
+    that is not GGUF is refused in one line, unchanged; an existing GGUF file is replaced."""
+    folder = tmp_path / "run"
+    out = save_run(folder, run["ckpt"], run["ckpt"]["model_args"], run["ckpt"]["model"])
+    (folder / "log.jsonl").write_text('{"iter": 0}\n')
+    (folder / "ckpt-5.0.dcp").mkdir()
+    (folder / "ckpt-5.0.dcp" / "__0_0.distcp").write_bytes(b"shard")
+    (tmp_path / "notes.txt").write_text("keep me")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for target in ("ckpt.pt", "log.jsonl", "ckpt-5.0.dcp/__0_0.distcp", "ckpt-5.0.dcp/new.gguf",
+                   "ckpt.pt.tmp", "log.20250101-000000.jsonl"):
+        msg = err(f"--out_dir={out}", f"--gguf={folder / target}", "--check=False")
+        assert "file of the run" in msg and str(folder) in msg, msg
+    msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'notes.txt'}", "--check=False")
+    assert "not a GGUF file" in msg
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # beside the run's files, and over a GGUF file, export writes
+    for _ in range(2):
+        export.main([f"--out_dir={out}", f"--gguf={folder / 'model.gguf'}", "--check=False"])
+    assert (folder / "model.gguf").read_bytes()[:4] == b"GGUF"
+    assert sorted(os.listdir(folder)) == ["ckpt-5.0.dcp", "ckpt.pt", "log.jsonl", "model.gguf"]
+
+
+def test_a_failed_llama_cpp_check_leaves_nothing_behind(run, tmp_path, monkeypatch):
+    """The file is checked under its temp name: when llama.cpp disagrees with our model, no file
+    goes into place and the previous one stays as it was."""
+    path = tmp_path / "m.gguf"
+    monkeypatch.setattr(gguf_export, "check_with_llama_cpp", lambda *a: False)
+    assert "do not match" in err(f"--out_dir={run['out']}", f"--gguf={path}")
+    assert os.listdir(tmp_path) == []
+    export.main([f"--out_dir={run['out']}", f"--gguf={path}", "--check=False"])
+    before = path.read_bytes()
+    assert "do not match" in err(f"--out_dir={run['out']}", f"--gguf={path}", "--gguf_type=f32")
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["m.gguf"]
+
+
 def test_failed_write_keeps_the_previous_file(run, tmp_path, monkeypatch):
     """ENOSPC when the new file is synced: one line, the previous file unchanged, no temp."""
     path = tmp_path / "m.gguf"
@@ -433,6 +474,59 @@ def test_llama_cpp_logits_equal_ours_with_rope_scaling(run, tmp_path, scaling, f
         with torch.no_grad():
             unscaled = plain(ids[None])[0][0].numpy()
         assert np.abs(theirs - ours).max() < 0.1 * np.abs(unscaled - ours).max()
+
+
+def wait_until_serving(url, server, log_path, timeout=120):
+    """Poll `url` until the server answers; fail with its log if it exits or never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited ({server.returncode}): {open(log_path).read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:  # not listening yet (URLError is an OSError)
+            time.sleep(0.5)
+    pytest.fail(f"the server did not answer in {timeout} s: {open(log_path).read()[-2000:]}")
+
+
+def test_llama_cpp_server_round_trip(run, tmp_path):
+    """The README's serving block: llama-cpp-python's OpenAI-compatible server, listening on
+    127.0.0.1 only, serves the f32 file, and a greedy completion through the openai client is
+    our model's greedy continuation of the same prompt. The server is stopped in any case."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python's server extras are not "
+                        "installed: pip install 'llama-cpp-python[server]'")
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", run["files"]["f32"],
+             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(BLOCK)],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        wait_until_serving(base + "/models", server, log_path)
+        client = openai.OpenAI(base_url=base, api_key="unused")
+        prompt = "def value_1(x):\n    return"
+        # temperature 0 is greedy; the server's default repeat penalty (1.1) would move logits
+        reply = client.completions.create(model="m", prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"repeat_penalty": 1.0})
+        sp, ids = run["sp"], run["sp"].encode(prompt)
+        new = decoding.generate(run["model"], torch.tensor([ids]), 16, temperature=0)[0, len(ids):]
+        new = new.tolist()
+        new = new[:new.index(sp.eos_id())] if sp.eos_id() in new else new  # it stops at EOS
+        assert reply.choices[0].text == sp.decode(new)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def test_without_llama_cpp_the_check_is_a_note(run, capsys, tmp_path, monkeypatch):

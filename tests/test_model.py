@@ -515,6 +515,8 @@ def test_sampling_argument_validation():
     (dict(pos_encoding="learned", rope_scaling="ntk", rope_factor=2.0), "has none"),
     (dict(pos_encoding="alibi", rope_scaling="linear"), "has none"),
     (dict(pos_encoding="none", rope_factor=4.0), "has none"),
+    # issue 28: ntk's base * factor^(d/(d-2)) divided by zero at head dim 2
+    (dict(n_embd=4, n_head=2, rope_scaling="ntk", rope_factor=2.0), "above 2"),
 ])
 def test_config_validation(kw, word):
     args = dict(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)
