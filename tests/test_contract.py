@@ -14,6 +14,7 @@ import io
 import inspect
 import json
 import os
+import pickle
 import shutil
 import sys
 from types import SimpleNamespace
@@ -225,7 +226,7 @@ def check_round_trip(cfg, model_factory=RoFormer):
     fresh = build(cfg, model_factory, seed=1)
     try:
         fresh.load_state_dict(torch.load(buf, weights_only=True))
-    except Exception as e:  # missing/unexpected keys, shapes, a type weights_only refuses
+    except (RuntimeError, pickle.UnpicklingError) as e:  # keys, shapes; weights_only refusing
         raise AssertionError(f"state-dict round trip: loading failed: {e}") from None
     idx = tokens(cfg, 2, min(cfg.block_size, 20))
     d = max_diff(fresh(idx)[0], model(idx)[0])
@@ -273,50 +274,63 @@ def adversarial_qkv(shape, D, case, gen):
         qk[:, :, 0] = torch.where(ch == c[:, :, 0], 1.0, -30.0)
         qk[:, :, 1] = torch.where(ch == (c[:, :, 0] + shift) % D, 1.0, -30.0)
     v = torch.randn(B, T, C3 - qk[0, 0].numel(), generator=gen)
+    v = v / v.abs().max()  # every call's max|v| is 1: the bound's max runs over the history
     return torch.cat((qk.reshape(B, T, -1), v), dim=-1)
+
+
+def linear_attention_calls(model, idx, start, inject):
+    """(max|out|, max|v|, finite) of the model.linear_attention calls while the model
+    prefills idx at position `start` and takes 3 one-token steps, each layer's c_attn output
+    replaced by inject(shape)."""
+    seen, real = [], model_module.linear_attention
+
+    def recorded(q, k, v, *args, **kw):
+        out = real(q, k, v, *args, **kw)
+        seen.append((out[0].abs().max().item(), v.abs().max().item(),
+                     bool(out[0].isfinite().all())))
+        return out
+    hooks = [b.attn.c_attn.register_forward_hook(lambda mod, inp, out: inject(out.shape)
+                                                 .to(out.dtype)) for b in model.blocks]
+    try:
+        with mock.patch.object(model_module, "linear_attention", recorded):
+            T = idx.size(1)
+            cache = model.new_cache(start + T + 3, idx.device)
+            model(idx, cache=cache, start_pos=start)
+            for t in range(3):  # the recurrent path
+                model(idx[:, t:t + 1], cache=cache, start_pos=start + T + t)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 @torch.no_grad()
 def check_linear_bound(cfg, model_factory=RoFormer):
     """Linear attention's output stays within its stated bound, max|out| <= max|v| / GUARD
     (model.py, eq. 19's guard), on adversarial q and k fed through the model's own attention
-    (its feature map, rotation and chunking), from position 0 and from position 1000."""
+    (its feature map, rotation, chunks and recurrent steps), from positions 0 and 1000."""
     if cfg.attention != "linear":
         pytest.skip(f"linear attention bound: attention={cfg.attention!r} is not linear")
     limit = 1.0 / model_module.GUARD
     model = build(cfg, model_factory, dtype=torch.float32)
     D, gen = cfg.n_embd // cfg.n_head, torch.Generator().manual_seed(0)
-    seen, real = [], model_module.linear_attention
-
-    def recorded(q, k, v, *args, **kw):
-        out = real(q, k, v, *args, **kw)
-        seen.append((out[0].abs().max().item(), v.abs().max().item(), out[0].isfinite().all()))
-        return out
     cases = ["large positive", "large negative", "large mixed", "disjoint supports"] + \
         [f"one channel each, shift {s}" for s in sorted({D // 2, D // 4, 1} - {0})]
     idx = tokens(cfg, 2, 3 * cfg.linear_chunk + 1 if cfg.linear_chunk < 8 else 24)
     for case in cases:
-        hooks = [b.attn.c_attn.register_forward_hook(
-            lambda mod, inp, out: adversarial_qkv(out.shape, D, case, gen).to(out.dtype))
-            for b in model.blocks]
-        try:
-            with mock.patch.object(model_module, "linear_attention", recorded):
-                for start in (0, 1000):
-                    seen.clear()
-                    model(idx, cache=model.new_cache(start + idx.size(1), idx.device),
-                          start_pos=start)
-                    if not seen:
-                        pytest.skip("linear attention bound: the model never called "
-                                    "model.linear_attention")
-                    for out, vmax, finite in seen:
-                        assert finite and out <= limit * vmax * (1 + 1e-4) + 1e-6, (
-                            f"linear attention bound: max|out| = {out:.4g} = "
-                            f"{out / max(vmax, 1e-30):.4g} max|v| > {limit:g} max|v| on "
-                            f"'{case}' inputs from position {start} "
-                            f"(feature_map={cfg.feature_map!r})")
-        finally:
-            for h in hooks:
-                h.remove()
+        for start in (0, 1000):
+            seen = linear_attention_calls(model, idx, start,
+                                          lambda shape: adversarial_qkv(shape, D, case, gen))
+            if not seen:
+                pytest.skip("linear attention bound: the model never called "
+                            "model.linear_attention")
+            vmax = 0.0  # of the values seen so far: the recurrent state holds older ones
+            for out, v, finite in seen:
+                vmax = max(vmax, v)
+                assert finite and out <= limit * vmax * (1 + 1e-4) + 1e-6, (
+                    f"linear attention bound: max|out| = {out:.4g} = {out / max(vmax, 1e-30):.4g}"
+                    f" max|v| > {limit:g} max|v| on '{case}' inputs from position {start} "
+                    f"(feature_map={cfg.feature_map!r})")
 
 
 def check_export(cfg, model_factory, kind, tmp_path):
@@ -425,7 +439,7 @@ def test_export_maps_exactly_or_refuses(contract_cfg, kind, tmp_path):
     check_export(contract_cfg, RoFormer, kind, tmp_path)
 
 
-# --- three deliberately broken decoders: each must fail the checks that guard against it ---
+# --- deliberately broken decoders: each must fail the checks that guard against it ---------
 
 def look_ahead(real):
     """A causal mask off by one: each query also sees the next token."""
@@ -466,19 +480,39 @@ class FutureBias(RoFormer):
             lambda mod, inp, out: out + 0.5 * F.pad(out[:, 1:], (0, 0, 0, 1)))
 
 
-@pytest.mark.parametrize("broken,check,prop", [
-    (LookAheadMask, check_causality, "causality"),
-    (LookAheadMask, check_cached_decoding, "cached decoding"),
-    (CacheSkipsKeyRope, check_cached_decoding, "cached decoding"),
-    (CacheSkipsKeyRope, check_rolling_cache, "rolling cache"),
-    (FutureBias, check_causality, "causality"),
-    (FutureBias, check_cached_decoding, "cached decoding"),
-], ids=lambda x: getattr(x, "__name__", x))
-def test_a_broken_decoder_fails_the_check_that_names_its_bug(broken, check, prop):
-    """On the tiny base (default softmax RoPE: where these bugs live), the correct model
-    passes `check` and the broken one fails it with the property's name first."""
+class PartialRotaryLinear(RoFormer):
+    """Issue 29's hidden coupling: RoPE on half of each head's channels (pairs i, i + D/4)
+    while eq. 19's guard still pairs i with i + D/2, so the guard no longer bounds the
+    numerator."""
+
+    def forward(self, *args, **kw):
+        real = model_module.apply_rope
+
+        def half_rotary(x, cos, sin):  # the table's first D/4 frequencies on channels :D/2
+            h, q = x.size(-1) // 2, x.size(-1) // 4
+            c, s = torch.cat((cos[..., :q], cos[..., :q]), -1), \
+                torch.cat((sin[..., :q], sin[..., h:h + q]), -1)
+            return torch.cat((real(x[..., :h], c, s), x[..., h:]), -1)
+        with mock.patch.object(model_module, "apply_rope", half_rotary):
+            return super().forward(*args, **kw)
+
+
+@pytest.mark.parametrize("broken,check,prop,on", [
+    (LookAheadMask, check_causality, "causality", []),
+    (LookAheadMask, check_cached_decoding, "cached decoding", []),
+    (CacheSkipsKeyRope, check_cached_decoding, "cached decoding", []),
+    (CacheSkipsKeyRope, check_rolling_cache, "rolling cache", []),
+    (FutureBias, check_causality, "causality", []),
+    (FutureBias, check_cached_decoding, "cached decoding", []),
+    (PartialRotaryLinear, check_linear_bound, "linear attention bound", ["attention=linear"]),
+    (PartialRotaryLinear, check_linear_bound, "linear attention bound",
+     ["attention=linear", "feature_map=relu"]),
+], ids=lambda x: "-".join(x) if isinstance(x, list) else None)
+def test_a_broken_decoder_fails_the_check_that_names_its_bug(broken, check, prop, on):
+    """On the tiny base (`on` overrides it), where these bugs live, the correct model passes
+    `check` and the broken one fails it with the property's name first."""
     from conftest import contract_overrides
-    cfg = contract_overrides([])[1]
+    cfg = contract_overrides(on)[1]
     check(cfg, RoFormer)
     with pytest.raises(AssertionError) as failure:
         check(cfg, broken)
