@@ -1,0 +1,61 @@
+"""The --model option of tests/test_contract.py: `--model KEY=VALUE`, repeated, one field of
+RoFormerConfig each, read the way train.py reads `--KEY=VALUE` (configurator.py against the
+field's default), on top of a tiny base configuration. Other test files ignore it."""
+import dataclasses
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# the tiny model every contract check builds; --model overrides any of these
+CONTRACT_BASE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                     linear_chunk=4)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--model", action="append", default=[], metavar="KEY=VALUE",
+                     help="tests/test_contract.py: a RoFormerConfig field for the model it "
+                          "checks (repeat for several), e.g. --model attention=linear")
+
+
+def contract_overrides(values):
+    """['k=v', ...] -> {k: value} typed like RoFormerConfig's defaults, and the RoFormerConfig
+    they make on the tiny base; a mistake is a pytest.UsageError in one line."""
+    from configurator import ConfigError, configure
+    from model import RoFormerConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(RoFormerConfig)}
+    try:
+        typed = configure(defaults, ["--" + v for v in values])
+    except ConfigError as e:
+        near = "unknown" not in str(e) or "did you mean" in str(e)
+        fields = "" if near else f" (RoFormerConfig's fields: {', '.join(sorted(defaults))})"
+        raise pytest.UsageError(f"--model: {e}{fields}") from None
+    overrides = {k: typed[k] for k in (v.partition("=")[0] for v in values)}
+    try:
+        cfg = RoFormerConfig(**{**CONTRACT_BASE, **overrides})
+    except (TypeError, ValueError) as e:
+        raise pytest.UsageError(f"--model: not a valid configuration: {e}") from None
+    return overrides, cfg
+
+
+def pytest_configure(config):
+    config.contract_cfg = None
+    if config.getoption("model"):  # checked now, so a typo stops the run before any test
+        config.contract_overrides, config.contract_cfg = contract_overrides(
+            config.getoption("model"))
+
+
+def pytest_report_header(config):
+    if config.contract_cfg is not None:
+        return "contract check on: " + " ".join(f"{k}={v!r}" for k, v in
+                                                config.contract_overrides.items())
+
+
+@pytest.fixture(scope="session")
+def contract_cfg(pytestconfig):
+    """The configuration tests/test_contract.py checks: the tiny base, with --model on top."""
+    if pytestconfig.contract_cfg is None:
+        return contract_overrides([])[1]
+    return pytestconfig.contract_cfg

@@ -1,0 +1,519 @@
+"""The contract every correct causal decoder keeps, whatever its architecture: the one check
+that judges a new model option (the float64 reference tests in test_model.py pin today's
+architecture instead). Run it on any configuration:
+
+    python -m pytest -q tests/test_contract.py --model mlp=swiglu --model qk_norm=True
+
+Each property is a plain function check_<property>(cfg, model_factory) that raises
+AssertionError naming the property; model_factory(cfg) builds the model (RoFormer, or one of
+the deliberately broken variants at the end, which prove each check can fail). The checks
+use the public API only: RoFormer(cfg), forward(idx, targets) -> (logits, loss), and the
+decoding primitives generate.py drives (new_cache, prefill, the one-token step)."""
+import contextlib
+import io
+import inspect
+import json
+import os
+import pickle
+import shutil
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import generate as decoding  # noqa: E402
+import model as model_module  # noqa: E402
+from model import RoFormer  # noqa: E402
+
+TOL = 1e-6  # on float64 logits of order 1: a real difference is orders of magnitude larger
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():  # tiny models: a second thread only waits, more so on a shared CPU
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def build(cfg, model_factory=RoFormer, seed=0, dtype=torch.float64, spread=0.2):
+    """A model in eval mode whose every parameter is moved off its init by noise of std
+    `spread`: at init (std 0.02, zero biases, unit norms) logits barely depend on the context,
+    and a zero-initialised new parameter would switch its own path off."""
+    torch.manual_seed(seed)
+    model = model_factory(cfg).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * spread)
+    return model.eval()
+
+
+def tokens(cfg, B, T, seed=1):
+    return torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+@torch.no_grad()
+def cached_logits(model, idx, split):
+    """Logits at positions split-1 .. T-1 as generate.py computes them: the first split tokens
+    prefilled (in chunks of the window), then the rest fed one token per cached step."""
+    total = idx.size(1)
+    cache = model.new_cache(total, idx.device)
+    out = [decoding.prefill(model, idx[:, :split], cache,
+                            min(total, model.config.context_window))]
+    model.pos_tables(total, idx.device)
+    step = decoding.one_token_step(model, cache, False, idx.device)
+    pos = torch.full((1,), split, dtype=torch.long, device=idx.device)
+    for t in range(split, total):
+        out.append(step(idx[:, t:t + 1], pos))
+        pos += 1
+    return torch.stack(out, dim=1)
+
+
+@contextlib.contextmanager
+def wrapped_sdpa(wrap):
+    """Every F.scaled_dot_product_attention call made inside goes through wrap(real)."""
+    with mock.patch.object(F, "scaled_dot_product_attention",
+                           wrap(F.scaled_dot_product_attention)):
+        yield
+
+
+def banded(window, calls):
+    """The reference for the rolling cache: full-sequence attention (queries and keys at the
+    same positions 0..T-1) whose causal mask is banded to the last `window` positions."""
+    def wrap(real):
+        def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+            i = torch.arange(q.size(-2), device=q.device)[:, None]
+            j = torch.arange(k.size(-2), device=q.device)[None, :]
+            band = (i >= j) & (i - j < window)
+            if attn_mask is None:
+                attn_mask = band
+            elif attn_mask.dtype == torch.bool:
+                attn_mask = attn_mask & band
+            else:
+                attn_mask = attn_mask.masked_fill(~band, float("-inf"))
+            calls.append(q.size(-2))
+            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False, **kw)
+        return sdpa
+    return wrap
+
+
+# --- the properties ----------------------------------------------------------------------
+
+@torch.no_grad()
+def check_causality(cfg, model_factory=RoFormer):
+    """Changing token t changes no logit before t (and does change the one at t)."""
+    model = build(cfg, model_factory)
+    T = min(cfg.block_size, 24)
+    idx = tokens(cfg, 2, T)
+    base = model(idx)[0]
+    for t in sorted({0, 1, T // 3, T // 2, T - 2, T - 1}):
+        changed = idx.clone()
+        changed[:, t] = (changed[:, t] + 1 + torch.arange(2)) % cfg.vocab_size
+        out = model(changed)[0]
+        for s in range(t):
+            d = max_diff(out[:, s], base[:, s])
+            assert d <= TOL, (f"causality: logit at position {s} changed when token {t} "
+                              f"changed (max |diff| {d:.2e})")
+        assert max_diff(out[:, t], base[:, t]) > TOL, \
+            f"causality: changing token {t} left its own logit unchanged (vacuous check)"
+
+
+@torch.no_grad()
+def check_cached_decoding(cfg, model_factory=RoFormer):
+    """Inside the window: prefill + one-token cached steps give the full forward's logits."""
+    model = build(cfg, model_factory)
+    T = min(cfg.context_window, 20)
+    idx = tokens(cfg, 2, T)
+    want = model(idx)[0]
+    for split in sorted({1, T // 3, T - 1}):
+        got = cached_logits(model, idx, split)
+        for i, p in enumerate(range(split - 1, T)):
+            d = max_diff(got[:, i], want[:, p])
+            assert d <= TOL, (f"cached decoding: logit at position {p} differs from the full "
+                              f"forward after a {split}-token prefill (max |diff| {d:.2e})")
+
+
+@torch.no_grad()
+def check_rolling_cache(cfg, model_factory=RoFormer):
+    """Past the window: softmax attention's rolling cache is sliding-window attention, equal
+    to a full forward with a causal mask banded to the window; linear attention's recurrent
+    state never forgets, so there the reference is the plain full forward."""
+    model = build(cfg, model_factory)
+    W = cfg.context_window
+    idx = tokens(cfg, 2, 2 * W + 7)
+    calls = []
+    try:
+        with wrapped_sdpa(banded(W, calls)) if cfg.attention != "linear" else \
+                contextlib.nullcontext():
+            want = model(idx)[0]
+        got = {split: cached_logits(model, idx, split)  # a short prompt, and one longer than
+               for split in (3, W + 5)}                  # the window (a chunked prefill)
+    except ValueError as e:  # a documented refusal, e.g. learned positions
+        pytest.skip(f"rolling cache: this model does not run past its window: {e}")
+    if cfg.attention != "linear" and not calls:
+        pytest.skip("rolling cache: the attention does not call F.scaled_dot_product_attention, "
+                    "so no band-masked reference is built")
+    for split, got in got.items():
+        for i, p in enumerate(range(split - 1, idx.size(1))):
+            d = max_diff(got[:, i], want[:, p])
+            assert d <= TOL, (f"rolling cache: logit at position {p} (window {W}) differs from "
+                              f"the {'full' if calls == [] else 'band-masked'} forward after a "
+                              f"{split}-token prefill (max |diff| {d:.2e})")
+
+
+def check_compiled_decoding(cfg, model_factory=RoFormer):
+    """generate(compile=True) gives eager's greedy tokens, past the window where it can."""
+    compiler = os.environ.get("CXX") or "g++"
+    if not any(shutil.which(c) for c in (compiler, "c++", "clang++")):
+        pytest.skip(f"compiled decoding: no C++ compiler ({compiler}) for torch.compile")
+    model = build(cfg, model_factory)
+    prompt = tokens(cfg, 2, 5)
+    new = cfg.context_window + 8
+    try:
+        want = decoding.generate(model, prompt, new, temperature=0)
+    except ValueError:  # no decoding past the window (learned positions): stay inside it
+        new = cfg.block_size - prompt.size(1)
+        want = decoding.generate(model, prompt, new, temperature=0)
+    torch._dynamo.reset()
+    got = decoding.generate(model, prompt, new, temperature=0, compile=True)
+    differ = (got != want).any(0).nonzero()
+    assert differ.numel() == 0, (f"compiled decoding: the compiled step's greedy token at "
+                                 f"position {differ[0].item()} differs from eager's")
+
+
+@torch.no_grad()
+def check_batch_independence(cfg, model_factory=RoFormer):
+    """Row i of a batch gets the logits row i gets alone."""
+    model = build(cfg, model_factory)
+    idx = tokens(cfg, 3, min(cfg.block_size, 20))
+    batch = model(idx)[0]
+    for i in range(idx.size(0)):
+        d = max_diff(batch[i], model(idx[i:i + 1])[0][0])
+        assert d <= TOL, (f"batch independence: row {i}'s logits in a batch of 3 differ from "
+                          f"its batch-of-1 forward (max |diff| {d:.2e})")
+
+
+def check_gradients(cfg, model_factory=RoFormer):
+    """One loss.backward() gives every parameter a finite gradient that is not all zero."""
+    model = build(cfg, model_factory).train()
+    idx = tokens(cfg, 2, cfg.block_size + 1)
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    assert loss is not None and torch.isfinite(loss), f"gradients: the loss is {loss}"
+    loss.backward()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        assert p.grad is not None, f"gradients: parameter {name} got no gradient (unused?)"
+        assert p.grad.isfinite().all(), f"gradients: parameter {name} has a non-finite gradient"
+        assert p.grad.abs().sum() > 0, f"gradients: parameter {name}'s gradient is all zero"
+
+
+@torch.no_grad()
+def check_round_trip(cfg, model_factory=RoFormer):
+    """state_dict -> torch.save -> torch.load(weights_only=True) -> a fresh model: same logits."""
+    model = build(cfg, model_factory)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    fresh = build(cfg, model_factory, seed=1)
+    try:
+        fresh.load_state_dict(torch.load(buf, weights_only=True))
+    except (RuntimeError, pickle.UnpicklingError) as e:  # keys, shapes; weights_only refusing
+        raise AssertionError(f"state-dict round trip: loading failed: {e}") from None
+    idx = tokens(cfg, 2, min(cfg.block_size, 20))
+    d = max_diff(fresh(idx)[0], model(idx)[0])
+    assert d == 0, f"state-dict round trip: logits changed by {d:.2e} after save and load"
+
+
+def check_overfit(cfg, model_factory=RoFormer, steps=40):
+    """From its own init, the model memorises one tiny batch: AdamW halves the loss."""
+    torch.manual_seed(0)
+    model = model_factory(cfg).train()
+    idx = tokens(cfg, 2, min(cfg.block_size, 16) + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        losses.append(loss.item())
+        if losses[-1] < 0.5 * losses[0]:
+            return
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    raise AssertionError(f"overfit: the loss went from {losses[0]:.3f} to {min(losses):.3f} in "
+                         f"{steps} AdamW steps on one batch, not below half")
+
+
+def adversarial_qkv(shape, D, case, gen):
+    """c_attn's output (B, T, 3 C) with q and k built to break eq. 19's denominator."""
+    B, T, C3 = shape
+    qk = torch.empty(B, T, 2, C3 // (3 * D), D)
+    n = lambda: torch.randn(qk[:, :, 0].shape, generator=gen)  # noqa: E731
+    if case == "large positive":
+        qk[:, :, 0], qk[:, :, 1] = 30 * n().abs() + 5, 30 * n().abs() + 5
+    elif case == "large negative":  # features ~0 (elu) or exactly 0 (relu)
+        qk[:, :, 0], qk[:, :, 1] = -30 * n().abs() - 5, -30 * n().abs() - 5
+    elif case == "large mixed":
+        qk[:, :, 0], qk[:, :, 1] = 40 * n(), 40 * n()
+    elif case == "disjoint supports":  # q's features where k has none, and the reverse
+        on = torch.rand(qk[:, :, 0].shape, generator=gen) < 0.5
+        qk[:, :, 0] = torch.where(on, n().abs() + 0.1, torch.full_like(n(), -30.0))
+        qk[:, :, 1] = torch.where(~on, n().abs() + 0.1, torch.full_like(n(), -30.0))
+    else:  # "one channel each": q on channel c, k on c + shift (the pairs a rotation mixes)
+        shift = int(case.split()[-1])
+        c = torch.randint(0, D, (B, T, 1, qk.size(3), 1), generator=gen)
+        ch = torch.arange(D)
+        qk[:, :, 0] = torch.where(ch == c[:, :, 0], 1.0, -30.0)
+        qk[:, :, 1] = torch.where(ch == (c[:, :, 0] + shift) % D, 1.0, -30.0)
+    v = torch.randn(B, T, C3 - qk[0, 0].numel(), generator=gen)
+    v = v / v.abs().max()  # every call's max|v| is 1: the bound's max runs over the history
+    return torch.cat((qk.reshape(B, T, -1), v), dim=-1)
+
+
+def linear_attention_calls(model, idx, start, inject):
+    """(max|out|, max|v|, finite) of the model.linear_attention calls while the model
+    prefills idx at position `start` and takes 3 one-token steps, each layer's c_attn output
+    replaced by inject(shape)."""
+    seen, real = [], model_module.linear_attention
+
+    def recorded(q, k, v, *args, **kw):
+        out = real(q, k, v, *args, **kw)
+        seen.append((out[0].abs().max().item(), v.abs().max().item(),
+                     bool(out[0].isfinite().all())))
+        return out
+    hooks = [b.attn.c_attn.register_forward_hook(lambda mod, inp, out: inject(out.shape)
+                                                 .to(out.dtype)) for b in model.blocks]
+    try:
+        with mock.patch.object(model_module, "linear_attention", recorded):
+            T = idx.size(1)
+            cache = model.new_cache(start + T + 3, idx.device)
+            model(idx, cache=cache, start_pos=start)
+            for t in range(3):  # the recurrent path
+                model(idx[:, t:t + 1], cache=cache, start_pos=start + T + t)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@torch.no_grad()
+def check_linear_bound(cfg, model_factory=RoFormer):
+    """Linear attention's output stays within its stated bound, max|out| <= max|v| / GUARD
+    (model.py, eq. 19's guard), on adversarial q and k fed through the model's own attention
+    (its feature map, rotation, chunks and recurrent steps), from positions 0 and 1000."""
+    if cfg.attention != "linear":
+        pytest.skip(f"linear attention bound: attention={cfg.attention!r} is not linear")
+    limit = 1.0 / model_module.GUARD
+    model = build(cfg, model_factory, dtype=torch.float32)
+    D, gen = cfg.n_embd // cfg.n_head, torch.Generator().manual_seed(0)
+    cases = ["large positive", "large negative", "large mixed", "disjoint supports"] + \
+        [f"one channel each, shift {s}" for s in sorted({D // 2, D // 4, 1} - {0})]
+    idx = tokens(cfg, 2, 3 * cfg.linear_chunk + 1 if cfg.linear_chunk < 8 else 24)
+    for case in cases:
+        for start in (0, 1000):
+            seen = linear_attention_calls(model, idx, start,
+                                          lambda shape: adversarial_qkv(shape, D, case, gen))
+            if not seen:
+                pytest.skip("linear attention bound: the model never called "
+                            "model.linear_attention")
+            vmax = 0.0  # of the values seen so far: the recurrent state holds older ones
+            for out, v, finite in seen:
+                vmax = max(vmax, v)
+                assert finite and out <= limit * vmax * (1 + 1e-4) + 1e-6, (
+                    f"linear attention bound: max|out| = {out:.4g} = {out / max(vmax, 1e-30):.4g}"
+                    f" max|v| > {limit:g} max|v| on '{case}' inputs from position {start} "
+                    f"(feature_map={cfg.feature_map!r})")
+
+
+def check_export(cfg, model_factory, kind, tmp_path):
+    """export.refusal(model, kind) refuses in one line, or the export computes our logits."""
+    import export
+    if "kind" not in inspect.signature(export.refusal).parameters:
+        pytest.skip("export.refusal(model, kind) not available")
+    model = build(cfg, model_factory, dtype=torch.float32)
+    reason = export.refusal(model, kind)
+    if reason is not None:
+        assert isinstance(reason, str) and reason.strip() and "\n" not in reason.strip(), \
+            f"export: the {kind} refusal is not one line naming a reason: {reason!r}"
+        return
+    idx = tokens(cfg, 2, min(cfg.context_window, 64))
+    with torch.no_grad():
+        want = model(idx)[0]
+        try:
+            outputs = (export_hf if kind == "hf" else export_gguf)(model, model_factory,
+                                                                   tmp_path, idx)
+        except (RuntimeError, ValueError, KeyError) as e:  # shapes or names that do not map
+            raise AssertionError(f"export: {kind} accepts this configuration, but the export "
+                                 f"does not load back: {str(e).splitlines()[0]}") from None
+    for what, got in outputs.items():
+        d = max_diff(got.double(), want.double())
+        assert d <= 1e-4, (f"export: {kind} accepts this configuration, but {what} differs from "
+                           f"ours by {d:.2e} (max |logit diff|): map it exactly or refuse it")
+
+
+def export_hf(model, model_factory, folder, idx):
+    """The logits transformers computes from the folder export.py's functions write."""
+    import export
+    st = pytest.importorskip("safetensors.torch", reason="the HF export writes safetensors")
+    transformers = pytest.importorskip("transformers", reason="the HF export is checked by "
+                                       "loading it with transformers")
+    conf = export.neox_config(model.config, 0, "float32")
+    weights = st.save(export.neox_weights(model, torch.float32), metadata={"format": "pt"})
+    path = str(folder / "hf")
+    export.write_folder(path, {"config.json": json.dumps(conf).encode(),
+                               "model.safetensors": weights})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return {"transformers' model of the folder": hf(idx).logits}
+
+
+def export_gguf(model, model_factory, folder, idx):
+    """The f32 file gguf_export.py writes (its metadata with an empty tokenizer: the model's
+    part is what counts here), computed two ways: by test_gguf.py's float64 forward written
+    from llama.cpp's gptneox graph, and by our model with the file's weights read back into a
+    fresh model of other weights (a parameter the file lacks keeps the fresh value, and shows)."""
+    pytest.importorskip("gguf", reason="the GGUF export writes with the gguf package")
+    pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2",
+                             reason="GGUF metadata is written from a sentencepiece ModelProto")
+    import gguf_export
+    from test_gguf import gptneox_forward  # skips this test where its packages are missing
+    no_tokenizer = SimpleNamespace(eos_id=lambda: 0, unk_id=lambda: 0, bos_id=lambda: -1)
+    meta = gguf_export.gguf_metadata(model.config, no_tokenizer, pb.ModelProto(), "f32",
+                                     "contract")
+    path = str(folder / "model.gguf")
+    gguf_export.write_gguf(path, meta, gguf_export.gguf_tensors(model, "f32"))
+    fresh = build(model.config, model_factory, seed=1, dtype=torch.float32)
+    llama = torch.stack([torch.from_numpy(gptneox_forward(path, row.numpy())) for row in idx])
+    return {"llama.cpp's gptneox graph on the file": llama,
+            "our model with the file's weights": gguf_export.weights_from_gguf(path, fresh)(idx)[0]}
+
+
+# --- the contract on the configuration under test (tests/conftest.py: --model) -------------
+
+def test_causality(contract_cfg):
+    check_causality(contract_cfg)
+
+
+def test_cached_decoding_equals_full_forward(contract_cfg):
+    check_cached_decoding(contract_cfg)
+
+
+def test_rolling_cache_equals_band_masked_forward(contract_cfg):
+    check_rolling_cache(contract_cfg)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_equals_eager(contract_cfg):
+    check_compiled_decoding(contract_cfg)
+
+
+def test_batch_rows_are_independent(contract_cfg):
+    check_batch_independence(contract_cfg)
+
+
+def test_every_parameter_gets_a_finite_gradient(contract_cfg):
+    check_gradients(contract_cfg)
+
+
+def test_state_dict_round_trip(contract_cfg):
+    check_round_trip(contract_cfg)
+
+
+def test_tiny_batch_overfits(contract_cfg):
+    check_overfit(contract_cfg)
+
+
+def test_linear_attention_stays_within_its_bound(contract_cfg):
+    check_linear_bound(contract_cfg)
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_export_maps_exactly_or_refuses(contract_cfg, kind, tmp_path):
+    check_export(contract_cfg, RoFormer, kind, tmp_path)
+
+
+# --- deliberately broken decoders: each must fail the checks that guard against it ---------
+
+def look_ahead(real):
+    """A causal mask off by one: each query also sees the next token."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if is_causal and attn_mask is None:
+            attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool,
+                                   device=q.device).tril(diagonal=1)
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False, **kw)
+    return sdpa
+
+
+class LookAheadMask(RoFormer):
+    def forward(self, *args, **kw):
+        with wrapped_sdpa(look_ahead):
+            return super().forward(*args, **kw)
+
+
+class CacheSkipsKeyRope(RoFormer):
+    """Cached forwards rotate the queries but store (and attend to) unrotated keys."""
+
+    def forward(self, idx, targets=None, cache=None, start_pos=0):
+        if cache is None:
+            return super().forward(idx, targets)
+        real = model_module.apply_rope
+
+        def queries_only(qk, cos, sin):  # Attention.softmax rotates q and k stacked
+            return torch.stack((real(qk[0], cos, sin), qk[1]))
+        with mock.patch.object(model_module, "apply_rope", queries_only):
+            return super().forward(idx, targets, cache, start_pos)
+
+
+class FutureBias(RoFormer):
+    """Each position's input embedding gets half the next token's embedding added."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.wte.register_forward_hook(
+            lambda mod, inp, out: out + 0.5 * F.pad(out[:, 1:], (0, 0, 0, 1)))
+
+
+class PartialRotaryLinear(RoFormer):
+    """Issue 29's hidden coupling: RoPE on half of each head's channels (pairs i, i + D/4)
+    while eq. 19's guard still pairs i with i + D/2, so the guard no longer bounds the
+    numerator."""
+
+    def forward(self, *args, **kw):
+        real = model_module.apply_rope
+
+        def half_rotary(x, cos, sin):  # the table's first D/4 frequencies on channels :D/2
+            h, q = x.size(-1) // 2, x.size(-1) // 4
+            c, s = torch.cat((cos[..., :q], cos[..., :q]), -1), \
+                torch.cat((sin[..., :q], sin[..., h:h + q]), -1)
+            return torch.cat((real(x[..., :h], c, s), x[..., h:]), -1)
+        with mock.patch.object(model_module, "apply_rope", half_rotary):
+            return super().forward(*args, **kw)
+
+
+@pytest.mark.parametrize("broken,check,prop,on", [
+    (LookAheadMask, check_causality, "causality", []),
+    (LookAheadMask, check_cached_decoding, "cached decoding", []),
+    (CacheSkipsKeyRope, check_cached_decoding, "cached decoding", []),
+    (CacheSkipsKeyRope, check_rolling_cache, "rolling cache", []),
+    (FutureBias, check_causality, "causality", []),
+    (FutureBias, check_cached_decoding, "cached decoding", []),
+    (PartialRotaryLinear, check_linear_bound, "linear attention bound", ["attention=linear"]),
+    (PartialRotaryLinear, check_linear_bound, "linear attention bound",
+     ["attention=linear", "feature_map=relu"]),
+], ids=lambda x: "-".join(x) if isinstance(x, list) else None)
+def test_a_broken_decoder_fails_the_check_that_names_its_bug(broken, check, prop, on):
+    """On the tiny base (`on` overrides it), where these bugs live, the correct model passes
+    `check` and the broken one fails it with the property's name first."""
+    from conftest import contract_overrides
+    cfg = contract_overrides(on)[1]
+    check(cfg, RoFormer)
+    with pytest.raises(AssertionError) as failure:
+        check(cfg, broken)
+    assert str(failure.value).startswith(prop + ":"), failure.value
