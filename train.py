@@ -104,6 +104,18 @@ for key in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_
             "log_interval", "lr_decay_iters"):
     if config[key] < 1:
         fail(f"{key} must be >= 1, got {config[key]}")
+for key in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
+            "grad_clip"):
+    if not config[key] >= 0:  # 0 is meaningful for each: 0 iterations evaluate the start
+        fail(f"{key} must be >= 0, got {config[key]}")
+for key in ("beta1", "beta2", "muon_momentum"):
+    if not 0 <= config[key] < 1:
+        fail(f"{key} must be in [0, 1), got {config[key]}")
+if decay_lr and min_lr > learning_rate:
+    fail(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the rate would rise "
+         f"while it decays; lower --min_lr as well")
+if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
+    fail(f"seed must be from 0 to 2**64 - 1, got {seed}")
 if init_from not in ("scratch", "resume"):
     fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 if warmup_iters > lr_decay_iters:
@@ -235,16 +247,25 @@ if resumed:
 start_iter = iter_num
 
 
-def get_lr(it):
-    """Linear warmup, then cosine from learning_rate to min_lr at lr_decay_iters, then flat."""
+def lr_factor(it):
+    """The schedule as a fraction of a group's base rate (learning_rate for AdamW's groups,
+    muon_lr for Muon's): linear warmup, then cosine from 1 to min_lr / learning_rate at
+    lr_decay_iters, then flat. A fraction, not a ratio to learning_rate, so that
+    learning_rate=0 (AdamW's part frozen, a legitimate probe) leaves Muon's rate defined."""
     if not decay_lr:
-        return learning_rate
+        return 1.0
     if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
+        return (it + 1) / (warmup_iters + 1)
+    floor = min_lr / learning_rate if learning_rate > 0 else 0.0  # then min_lr is 0 as well
     if it >= lr_decay_iters:
-        return min_lr
+        return floor
     ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
+
+
+def get_lr(it):
+    """AdamW's rate at iteration `it` (the one log.jsonl records)."""
+    return learning_rate * lr_factor(it)
 
 
 @torch.no_grad()
@@ -380,9 +401,9 @@ while iter_num < max_iters:
         os._exit(17)
 
     t0 = time.time()
-    lr = get_lr(iter_num)
+    factor = lr_factor(iter_num)
     for g in opt.param_groups:
-        g["lr"] = lr * g["lr_scale"]
+        g["lr"] = factor * g["base_lr"]
     loss_sum = torch.zeros((), device=dev)
     for micro in range(local_steps):
         gstep = rank * local_steps + micro  # the global micro-step: same batches for any N

@@ -665,3 +665,67 @@ def test_resuming_with_another_optimizer_is_one_line(data, tmp_path):
     line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume",
                                 "--optimizer=muon", check=False))
     assert "--optimizer=adamw" in line
+
+
+# ----------------------------------------------------------------------------------------
+# issue 28: values that make no sense, a zero rate, the log, resuming, torchrun
+
+def tree(d):
+    """Every file under d with its sha256: what "nothing on disk changed" compares."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, d)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trained") / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2")
+    return out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max_iters=-3"], "max_iters must be >= 0"),
+    (["--warmup_iters=-1"], "warmup_iters must be >= 0"),
+    (["--learning_rate=-1e-3"], "learning_rate must be >= 0"),
+    (["--min_lr=1e-2"], "min_lr (0.01) must not exceed learning_rate (0.003)"),
+    (["--optimizer=muon", "--muon_momentum=1.0"], "muon_momentum must be in [0, 1)"),
+    (["--optimizer=muon", "--muon_momentum=-0.5"], "muon_momentum must be in [0, 1)"),
+    (["--beta2=1.0"], "beta2 must be in [0, 1)"),
+    (["--seed=-1"], "seed must be from 0 to 2**64 - 1"),
+    ([f"--seed={2 ** 64}"], "seed must be from 0 to 2**64 - 1"),
+    (["--device=meta"], "device='meta' is not supported"),
+])
+def test_values_that_make_no_sense_are_one_line_and_change_nothing(trained, data, tmp_path, args,
+                                                                   message):
+    """--max_iters=-3 used to move the old checkpoint aside and write an iteration-0 one;
+    min_lr above learning_rate made the rate rise while it "decayed"; a negative seed or
+    muon_momentum >= 1 ended in a traceback. Each is one line, and the out_dir that holds a
+    run is byte for byte as it was."""
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    before = tree(out)
+    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY, *args,
+                                check=False))
+    assert message in line
+    assert tree(out) == before
+
+
+def test_muon_with_a_zero_learning_rate_freezes_adamws_part_only(data, tmp_path):
+    """learning_rate is AdamW's rate (embeddings, norms); Muon's is muon_lr. Muon's group rate
+    used to be muon_lr / learning_rate times the schedule: a ZeroDivisionError at 0, which is a
+    legitimate probe. The reference is the run's own initialisation (a run of 0 iterations
+    with the same seed): AdamW's parameters must not move at all, Muon's must."""
+    common = [f"--data_dir={data}", *TINY, "--optimizer=muon", "--dtype=float32"]
+    init, probe = str(tmp_path / "init"), str(tmp_path / "probe")
+    train(*common, f"--out_dir={init}", "--max_iters=0")
+    train(*common, f"--out_dir={probe}", "--max_iters=3", "--learning_rate=0", "--min_lr=0")
+    a, b = load(init)["model"], load(probe)["model"]
+    muon = {k for k, v in a.items() if k.startswith("blocks.") and v.dim() == 2}
+    assert muon and all(torch.equal(a[k], b[k]) for k in a if k not in muon)
+    assert all(not torch.equal(a[k], b[k]) for k in muon)
+    assert [row["lr"] for row in log(probe)] == [0.0, 0.0]
