@@ -203,17 +203,47 @@ def move_aside(out_dir):
 
 def start_log(log_path, resumed, start_iter):
     """A new run starts a new log. A resumed one drops the evaluations logged after its
-    checkpoint (a crash between the two): it logs them again."""
-    if not resumed:
-        open(log_path, "w").close()
-        return
-    if not os.path.exists(log_path):
-        return
-    with open(log_path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["iter"] <= start_iter]
-    with open(log_path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(log_path + ".tmp", log_path)
+    checkpoint (a crash between the two): it logs them again. The log is not the run's state:
+    a line a crash cut short is dropped with a warning, and a log that cannot be written costs
+    a warning, never the run."""
+    try:
+        if not resumed:
+            open(log_path, "w").close()
+            return
+        if not os.path.exists(log_path):
+            return
+        kept, unreadable = [], 0
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    it = row["iter"]
+                except (ValueError, TypeError, KeyError):
+                    unreadable += bool(line.strip())
+                    continue
+                if it <= start_iter:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if unreadable:
+            print(f"warning: {log_path}: dropped {unreadable} unreadable line(s) (a write cut "
+                  f"short by a crash?)", flush=True)
+        with open(log_path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(log_path + ".tmp", log_path)
+    except OSError as e:
+        print(f"warning: cannot rewrite {log_path} ({e.strerror}); training goes on", flush=True)
+
+
+def append_log(log_path, record):
+    """One line more in log.jsonl. A write that fails (a full disk) is cut back off, so no half
+    line is left for the next one to be glued to; the OSError is the caller's to report."""
+    size = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    try:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(log_path, size)
+        raise
 
 
 # ----------------------------------------------------------------------------------------

@@ -243,6 +243,9 @@ if resumed:
     tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
     wandb_id = ckpt.get("wandb_id")  # kept even by a run without wandb, for a later one
     checkpoint.set_rng_state(ckpt["rng"])  # batches and dropout reseed every micro-step anyway
+    if master:
+        print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens, "
+              f"run {str(ckpt.get('run_id'))[:8]}", flush=True)
     del ckpt
 start_iter = iter_num
 
@@ -362,8 +365,11 @@ def evaluate():
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
               "lr": get_lr(iter_num), "tokens": tokens_seen,
               "time_s": round(time.time() - t_start, 3)}
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:  # the log is not the run's state: a failed write costs a warning, not the checkpoint
+        runs.append_log(log_path, record)
+    except OSError as e:
+        bar.write(f"warning: cannot write {log_path} ({e.strerror}): the evaluation at iteration "
+                  f"{iter_num} is not logged")
     bar.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:
         wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"],

@@ -729,3 +729,60 @@ def test_muon_with_a_zero_learning_rate_freezes_adamws_part_only(data, tmp_path)
     assert muon and all(torch.equal(a[k], b[k]) for k in a if k not in muon)
     assert all(not torch.equal(a[k], b[k]) for k in muon)
     assert [row["lr"] for row in log(probe)] == [0.0, 0.0]
+
+
+def test_a_torn_last_log_line_does_not_block_the_resume(data, tmp_path):
+    """A crash in the middle of a log write leaves half a line; the resume used to die on it
+    with a JSONDecodeError. The log is not the run's state: the half line goes, with a warning,
+    and the resumed run logs on. The resume also says which checkpoint and iteration it
+    continues from, read here from the file itself."""
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--eval_interval=2"]
+    train(*common, "--max_iters=2")
+    with open(os.path.join(out, "log.jsonl"), "a") as f:
+        f.write('{"iter": 4, "train_loss": 3.1')  # no end: the crash came here
+    at = load(out)["iter_num"]
+    r = train(*common, "--max_iters=4", "--init_from=resume")
+    assert [row["iter"] for row in log(out)] == [0, 2, 4]
+    assert "warning" in r.stdout and "log.jsonl" in r.stdout
+    first = r.stdout.splitlines()[:3]
+    assert any(f"resumed from {os.path.join(out, 'ckpt.pt')}: iteration {at}," in ln
+               for ln in first), first
+
+
+FULL_DISK_LOG = """
+import builtins, errno, os
+_open = builtins.open
+writes = [0]
+class Full:
+    def __init__(self, f): self.f = f
+    def __enter__(self): return self
+    def __exit__(self, *a): self.f.close()
+    def close(self): self.f.close()
+    def write(self, text):
+        writes[0] += 1
+        if writes[0] != int(os.environ["FULL_DISK_AT_LOG"]):
+            return self.f.write(text)
+        self.f.write(text[:len(text) // 2])  # half the line made it, then the disk was full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def fake_open(file, mode="r", *a, **k):
+    f = _open(file, mode, *a, **k)
+    return Full(f) if str(file).endswith("log.jsonl") and "a" in mode else f
+builtins.open = fake_open
+"""
+
+
+def test_a_full_disk_while_logging_costs_a_warning_not_the_checkpoint(data, tmp_path):
+    """The log write of the evaluation at iteration 2 fails half-way (ENOSPC). It used to be a
+    traceback before that step's checkpoint was saved. Now: a warning, the run goes on and
+    saves, and the log holds only whole lines (the half line was cut off again)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK_LOG)
+    out = str(tmp_path / "out")
+    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=4",
+              "--eval_interval=2", PYTHONPATH=str(site), FULL_DISK_AT_LOG="2")
+    warnings = [ln for ln in r.stdout.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "log.jsonl" in warnings[0] and "No space left" in warnings[0]
+    assert load(out)["iter_num"] == 4
+    assert [row["iter"] for row in log(out)] == [0, 4]  # every line parses; iteration 2 lost
