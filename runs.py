@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -134,6 +135,50 @@ def make_out_dir(out_dir):
                 pass
     except OSError as e:
         fail(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})")
+
+
+def cxx_compiler_found():
+    """Whether torch.compile can build CPU kernels here: inductor compiles them with a C++
+    compiler ($CXX, else g++ on Linux and clang++ on macOS) and fails at the first forward,
+    with a traceback, where there is none. Asked of inductor itself where this torch has it."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # another torch: look where this one's inductor looks
+        default = "clang++" if sys.platform == "darwin" else "g++"
+        return shutil.which(os.environ.get("CXX", default)) is not None
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return False
+    return True
+
+
+def check_wandb():
+    """wandb_log=True: one line now, before out_dir exists, where wandb.init would fail later
+    (no package, no login). Offline and disabled modes need no login. Nothing here goes online
+    or prompts."""
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs the wandb package: pip install wandb")
+    try:
+        try:  # the mode from the environment and wandb's settings files (`wandb offline`)
+            from wandb.sdk.wandb_setup import singleton
+            mode = singleton().settings.mode
+        except (ImportError, AttributeError):  # an older wandb: the environment's
+            mode = os.environ.get("WANDB_MODE", "online")
+        if mode in ("offline", "dryrun", "disabled"):
+            return
+        try:
+            logged_in = wandb.login(prompt=False, verify=False)
+        except TypeError:  # a wandb before login(prompt=...)
+            logged_in = wandb.api.api_key is not None
+    except (ValueError, wandb.errors.Error) as e:  # a malformed key or WANDB_MODE
+        fail(f"wandb_log=True: {str(e).splitlines()[0]}")
+    if not logged_in:
+        fail("wandb_log=True but wandb has no login: run `wandb login` or set WANDB_API_KEY, "
+             "or log locally with WANDB_MODE=offline")
 
 
 def load_checkpoint(path):

@@ -134,10 +134,17 @@ if fsdp and int(os.environ.get("RANK", -1)) == -1:
 ddp = int(os.environ.get("RANK", -1)) != -1
 rank, local_rank, world = ((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
                            if ddp else (0, 0, 1))
-if gradient_accumulation_steps % world:
-    fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
-         f"the number of processes ({world})")
+if ddp:
+    parallel.stop_with_launcher()  # a kill -9 of torchrun stops its workers too
+if gradient_accumulation_steps % world:  # every rank sees it; rank 0 says it, once
+    if rank:
+        sys.exit(1)
+    fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) counts the micro-steps of "
+         f"all {world} processes, so it must be a multiple of {world}: pass e.g. "
+         f"--gradient_accumulation_steps={world * -(-gradient_accumulation_steps // world)}")
 master = rank == 0
+if wandb_log and master:
+    runs.check_wandb()
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
 dev, dtype = checkpoint.pick_device(device, dtype, training=True)
@@ -161,7 +168,12 @@ ptdtype = getattr(torch, dtype)
 # With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
 autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
             else torch.autocast(device_type=device_type, dtype=ptdtype))
-config.update(device=device, dtype=dtype)  # what actually ran, recorded in the checkpoint
+if compile and device_type == "cpu" and not runs.cxx_compiler_found():
+    if master:
+        print("warning: compile=True needs a C++ compiler on the CPU ($CXX, or g++) and there is "
+              "none: running eager (pass --compile=False to skip this check)", flush=True)
+    compile = False
+config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded in the checkpoint
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
@@ -450,7 +462,8 @@ while iter_num < max_iters:
     if master and (iter_num % log_interval == 0 or iter_num == max_iters):
         log_progress(loss_sum, grad_norm, time.time() - t0)
     if stopping:
-        bar.write(f"signal received: stopping at iteration {iter_num}")
+        if master:
+            bar.write(f"signal received: stopping at iteration {iter_num}")
         signalled = True
         break
 
