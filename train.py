@@ -23,7 +23,6 @@ optim.py (the optimizer), model.py (the model).
 """
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
