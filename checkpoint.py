@@ -52,8 +52,16 @@ def pick_device(device="auto", dtype="auto", training=False):
         dev = torch.device(device)
     except RuntimeError:
         sys.exit(f"error: unknown device {device!r} (auto, cpu, cuda, cuda:N, mps)")
+    if dev.type not in ("cpu", "cuda", "mps"):  # meta holds no data; others are untested here
+        sys.exit(f"error: device={device!r} is not supported (auto, cpu, cuda, cuda:N, mps)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         sys.exit(f"error: device={device!r} but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        sys.exit(f"error: device={device!r} but this machine has {torch.cuda.device_count()} "
+                 f"CUDA device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None)
+                                  and torch.backends.mps.is_available()):
+        sys.exit(f"error: device={device!r} but MPS (Apple's GPU backend) is not available")
     if dtype == "auto":
         if dev.type == "cuda":
             dtype = cuda_autocast_dtype()  # bf16 where native, else fp16 (T4, V100)

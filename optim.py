@@ -2,9 +2,9 @@
 The optimizer train.py steps (and the benches and tests build): AdamW, or Muon for the hidden
 matrices with AdamW for the rest.
 
-Every parameter group carries "lr_scale": the training loop sets each group's lr to the
-schedule's value times that scale, so groups with their own base learning rate (Muon's) follow
-the same warmup and decay.
+Every parameter group carries "base_lr", its peak rate (learning_rate, or Muon's muon_lr): the
+training loop sets each group's lr to that times the schedule's fraction, so groups with their
+own base learning rate (Muon's) follow the same warmup and decay.
 """
 import torch
 
@@ -65,7 +65,7 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     fused = True if device_type in ("cuda", "cpu") else None
     adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
     for g in adamw.param_groups:
-        g["lr_scale"] = 1.0
+        g["base_lr"] = learning_rate
     if name == "adamw":
         return adamw
     # Muon's default lr adjustment ("original": rate x sqrt(max(1, rows/cols))) keeps the
@@ -73,5 +73,5 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     # shrinks by muon_lr x weight_decay per step, as AdamW's does by lr x weight_decay.
     muon = torch.optim.Muon([p for p in params if id(p) in hidden], lr=muon_lr,
                             weight_decay=weight_decay, momentum=muon_momentum)
-    muon.param_groups[0]["lr_scale"] = muon_lr / learning_rate
+    muon.param_groups[0]["base_lr"] = muon_lr
     return MuonAdamW(muon, adamw)

@@ -8,8 +8,12 @@ all-reduces the gradients. FSDP2 (fsdp=True): every rank holds 1/N of each; a bl
 are all-gathered just before it runs and freed after, its gradients reduce-scattered.
 """
 import contextlib
+import ctypes
 import functools
+import inspect
 import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,6 +37,22 @@ def init_process_group(device_type, rank, world):
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store,
                             rank=rank, world_size=world)
+
+
+def stop_with_launcher():
+    """Under torchrun, ask Linux to SIGTERM this worker when its launcher dies. torchrun starts
+    each worker in a session of its own, so a kill -9 of torchrun (or of its process group) used
+    to leave the workers training on their own. The SIGTERM handler then finishes the step,
+    saves and exits, as for any SIGTERM. The signal comes when the thread that started the
+    worker ends; torchrun starts its workers from its main thread. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the launcher died before the request: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, compile=False,
@@ -71,11 +91,15 @@ def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, co
     model = torch.compile(raw) if compile else raw
     eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
     if ddp:
-        # broadcast_buffers=False: the only buffers are the position tables, built identically
-        # on every rank, so re-sending them from rank 0 before every forward would be waste.
+        # No buffer sync before every forward: the only buffers are the position tables, built
+        # identically on every rank. Newer torch names it forward_sync_buffers (and warns on
+        # every rank about broadcast_buffers); older ones only know broadcast_buffers.
+        ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+        no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args
+                   else "broadcast_buffers": False}
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
-            broadcast_buffers=False)
+            **no_sync)
     return raw, model, eval_model
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -147,6 +148,50 @@ def make_out_dir(out_dir):
         fail(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})")
 
 
+def cxx_compiler_found():
+    """Whether torch.compile can build CPU kernels here: inductor compiles them with a C++
+    compiler ($CXX, else g++ on Linux and clang++ on macOS) and fails at the first forward,
+    with a traceback, where there is none. Asked of inductor itself where this torch has it."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # another torch: look where this one's inductor looks
+        default = "clang++" if sys.platform == "darwin" else "g++"
+        return shutil.which(os.environ.get("CXX", default)) is not None
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return False
+    return True
+
+
+def check_wandb():
+    """wandb_log=True: one line now, before out_dir exists, where wandb.init would fail later
+    (no package, no login). Offline and disabled modes need no login. Nothing here goes online
+    or prompts."""
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs the wandb package: pip install wandb")
+    try:
+        try:  # the mode from the environment and wandb's settings files (`wandb offline`)
+            from wandb.sdk.wandb_setup import singleton
+            mode = singleton().settings.mode
+        except (ImportError, AttributeError):  # an older wandb: the environment's
+            mode = os.environ.get("WANDB_MODE", "online")
+        if mode in ("offline", "dryrun", "disabled"):
+            return
+        try:
+            logged_in = wandb.login(prompt=False, verify=False)
+        except TypeError:  # a wandb before login(prompt=...)
+            logged_in = wandb.api.api_key is not None
+    except (ValueError, wandb.errors.Error) as e:  # a malformed key or WANDB_MODE
+        fail(f"wandb_log=True: {str(e).splitlines()[0]}")
+    if not logged_in:
+        fail("wandb_log=True but wandb has no login: run `wandb login` or set WANDB_API_KEY, "
+             "or log locally with WANDB_MODE=offline")
+
+
 def load_checkpoint(path):
     try:  # mmap: every rank reads the metadata; the weights are paged in only where needed
         return read(path, mmap=True)
@@ -214,17 +259,47 @@ def move_aside(out_dir):
 
 def start_log(log_path, resumed, start_iter):
     """A new run starts a new log. A resumed one drops the evaluations logged after its
-    checkpoint (a crash between the two): it logs them again."""
-    if not resumed:
-        open(log_path, "w").close()
-        return
-    if not os.path.exists(log_path):
-        return
-    with open(log_path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["iter"] <= start_iter]
-    with open(log_path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(log_path + ".tmp", log_path)
+    checkpoint (a crash between the two): it logs them again. The log is not the run's state:
+    a line a crash cut short is dropped with a warning, and a log that cannot be written costs
+    a warning, never the run."""
+    try:
+        if not resumed:
+            open(log_path, "w").close()
+            return
+        if not os.path.exists(log_path):
+            return
+        kept, unreadable = [], 0
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    it = row["iter"]
+                except (ValueError, TypeError, KeyError):
+                    unreadable += bool(line.strip())
+                    continue
+                if it <= start_iter:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if unreadable:
+            print(f"warning: {log_path}: dropped {unreadable} unreadable line(s) (a write cut "
+                  f"short by a crash?)", flush=True)
+        with open(log_path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(log_path + ".tmp", log_path)
+    except OSError as e:
+        print(f"warning: cannot rewrite {log_path} ({e.strerror}); training goes on", flush=True)
+
+
+def append_log(log_path, record):
+    """One line more in log.jsonl. A write that fails (a full disk) is cut back off, so no half
+    line is left for the next one to be glued to; the OSError is the caller's to report."""
+    size = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    try:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(log_path, size)
+        raise
 
 
 # ----------------------------------------------------------------------------------------

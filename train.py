@@ -23,7 +23,6 @@ optim.py (the optimizer), model.py (the model).
 """
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -104,6 +103,18 @@ for key in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_
             "log_interval", "lr_decay_iters"):
     if config[key] < 1:
         fail(f"{key} must be >= 1, got {config[key]}")
+for key in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
+            "grad_clip"):
+    if not config[key] >= 0:  # 0 is meaningful for each: 0 iterations evaluate the start
+        fail(f"{key} must be >= 0, got {config[key]}")
+for key in ("beta1", "beta2", "muon_momentum"):
+    if not 0 <= config[key] < 1:
+        fail(f"{key} must be in [0, 1), got {config[key]}")
+if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
+    fail(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the rate would rise "
+         f"while it decays; lower --min_lr as well")
+if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
+    fail(f"seed must be from 0 to 2**64 - 1, got {seed}")
 if init_from not in ("scratch", "resume"):
     fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 if warmup_iters > lr_decay_iters:
@@ -122,10 +133,17 @@ if fsdp and int(os.environ.get("RANK", -1)) == -1:
 ddp = int(os.environ.get("RANK", -1)) != -1
 rank, local_rank, world = ((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
                            if ddp else (0, 0, 1))
-if gradient_accumulation_steps % world:
-    fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be divisible by "
-         f"the number of processes ({world})")
+if ddp:
+    parallel.stop_with_launcher()  # a kill -9 of torchrun stops its workers too
+if gradient_accumulation_steps % world:  # every rank sees it; rank 0 says it, once
+    if rank:
+        sys.exit(1)
+    fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) counts the micro-steps of "
+         f"all {world} processes, so it must be a multiple of {world}: pass e.g. "
+         f"--gradient_accumulation_steps={world * -(-gradient_accumulation_steps // world)}")
 master = rank == 0
+if wandb_log and master:
+    runs.check_wandb()
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
 dev, dtype = checkpoint.pick_device(device, dtype, training=True)
@@ -149,7 +167,12 @@ ptdtype = getattr(torch, dtype)
 # With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
 autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
             else torch.autocast(device_type=device_type, dtype=ptdtype))
-config.update(device=device, dtype=dtype)  # what actually ran, recorded in the checkpoint
+if compile and device_type == "cpu" and not runs.cxx_compiler_found():
+    if master:
+        print("warning: compile=True needs a C++ compiler on the CPU ($CXX, or g++) and there is "
+              "none: running eager (pass --compile=False to skip this check)", flush=True)
+    compile = False
+config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded in the checkpoint
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
@@ -232,20 +255,32 @@ if resumed:
     tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
     wandb_id = ckpt.get("wandb_id")  # kept even by a run without wandb, for a later one
     checkpoint.set_rng_state(ckpt["rng"])  # batches and dropout reseed every micro-step anyway
+    if master:
+        print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens, "
+              f"run {str(ckpt.get('run_id'))[:8]}", flush=True)
     del ckpt
 start_iter = iter_num
 
 
-def get_lr(it):
-    """Linear warmup, then cosine from learning_rate to min_lr at lr_decay_iters, then flat."""
+def lr_factor(it):
+    """The schedule as a fraction of a group's base rate (learning_rate for AdamW's groups,
+    muon_lr for Muon's): linear warmup, then cosine from 1 to min_lr / learning_rate at
+    lr_decay_iters, then flat. A fraction, not a ratio to learning_rate, so that
+    learning_rate=0 (AdamW's part frozen, a legitimate probe) leaves Muon's rate defined."""
     if not decay_lr:
-        return learning_rate
+        return 1.0
     if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
+        return (it + 1) / (warmup_iters + 1)
+    floor = min_lr / learning_rate if learning_rate > 0 else 0.0  # then min_lr is 0 as well
     if it >= lr_decay_iters:
-        return min_lr
+        return floor
     ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
+
+
+def get_lr(it):
+    """AdamW's rate at iteration `it` (the one log.jsonl records)."""
+    return learning_rate * lr_factor(it)
 
 
 @torch.no_grad()
@@ -342,8 +377,11 @@ def evaluate():
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
               "lr": get_lr(iter_num), "tokens": tokens_seen,
               "time_s": round(time.time() - t_start, 3)}
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:  # the log is not the run's state: a failed write costs a warning, not the checkpoint
+        runs.append_log(log_path, record)
+    except OSError as e:
+        bar.write(f"warning: cannot write {log_path} ({e.strerror}): the evaluation at iteration "
+                  f"{iter_num} is not logged")
     bar.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:
         wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
@@ -381,9 +419,9 @@ while iter_num < max_iters:
         os._exit(17)
 
     t0 = time.time()
-    lr = get_lr(iter_num)
+    factor = lr_factor(iter_num)
     for g in opt.param_groups:
-        g["lr"] = lr * g["lr_scale"]
+        g["lr"] = factor * g["base_lr"]
     loss_sum = torch.zeros((), device=dev)
     for micro in range(local_steps):
         gstep = rank * local_steps + micro  # the global micro-step: same batches for any N
@@ -424,7 +462,8 @@ while iter_num < max_iters:
     if master and (iter_num % log_interval == 0 or iter_num == max_iters):
         log_progress(loss_sum, grad_norm, time.time() - t0)
     if stopping:
-        bar.write(f"signal received: stopping at iteration {iter_num}")
+        if master:
+            bar.write(f"signal received: stopping at iteration {iter_num}")
         signalled = True
         break
 

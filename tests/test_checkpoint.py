@@ -203,3 +203,22 @@ def test_pick_device_rules_for_training_and_decoding(monkeypatch):
         checkpoint.pick_device("cpu", "int8")
     with pytest.raises(SystemExit, match="unknown device"):
         checkpoint.pick_device("gpu0")
+
+
+@pytest.mark.parametrize("device", ["meta", "xpu", "mps", "cuda", "CUDA_PAST_THE_LAST"])
+def test_a_device_that_is_not_here_is_one_line(device):
+    """--device=mps or meta used to be taken on a machine without it and failed later with a
+    traceback (meta holds no data at all). Whatever torch says is missing is one line, for
+    training and decoding alike (sample.py and eval.py use the same resolver)."""
+    if device == "CUDA_PAST_THE_LAST":
+        device = f"cuda:{torch.cuda.device_count()}"
+    here = {"meta": False, "xpu": False, "mps": torch.backends.mps.is_available(),
+            "cuda": torch.cuda.is_available()}.get(device, False)
+    for training in (True, False):
+        if here:
+            assert checkpoint.pick_device(device, "float32", training)[0].type == device
+            continue
+        with pytest.raises(SystemExit) as e:
+            checkpoint.pick_device(device, "float32", training)
+        msg = str(e.value)
+        assert msg.startswith("error: ") and device in msg and "\n" not in msg

@@ -67,7 +67,7 @@ def test_muon_gets_the_blocks_linear_weights_and_adamw_everything_else(pos_encod
     assert id(m.lm_head.weight) == id(m.wte.weight) and id(m.wte.weight) in in_adamw
     decayed = {names[id(p)] for p in opt.adamw.param_groups[0]["params"]}
     assert all(p.dim() == 2 for n, p in m.named_parameters() if n in decayed)
-    assert [g["lr_scale"] for g in opt.param_groups] == [0.02 / 1e-3, 1.0, 1.0]
+    assert [g["base_lr"] for g in opt.param_groups] == [0.02, 1e-3, 1e-3]
 
 
 def newton_schulz_reference(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):
@@ -124,10 +124,10 @@ def test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain
                 p.copy_(dict(m.named_parameters())[n])
 
 
-def run(model, opt, its, lr=3e-3):
+def run(model, opt, its):
     for it in its:
         for g in opt.param_groups:  # the training loop's schedule write (train.py)
-            g["lr"] = lr * (1 - it / 10) * g["lr_scale"]
+            g["lr"] = (1 - it / 10) * g["base_lr"]
         grads(model, 100 + it)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -699,3 +699,273 @@ def test_resuming_with_another_optimizer_is_one_line(data, tmp_path):
     line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume",
                                 "--optimizer=muon", check=False))
     assert "--optimizer=adamw" in line
+
+
+# ----------------------------------------------------------------------------------------
+# issue 28: values that make no sense, a zero rate, the log, resuming, torchrun
+
+def tree(d):
+    """Every file under d with its sha256: what "nothing on disk changed" compares."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, d)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("trained") / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2")
+    return out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max_iters=-3"], "max_iters must be >= 0"),
+    (["--warmup_iters=-1"], "warmup_iters must be >= 0"),
+    (["--learning_rate=-1e-3"], "learning_rate must be >= 0"),
+    (["--min_lr=1e-2"], "min_lr (0.01) must not exceed learning_rate (0.003)"),
+    (["--optimizer=muon", "--muon_momentum=1.0"], "muon_momentum must be in [0, 1)"),
+    (["--optimizer=muon", "--muon_momentum=-0.5"], "muon_momentum must be in [0, 1)"),
+    (["--beta2=1.0"], "beta2 must be in [0, 1)"),
+    (["--seed=-1"], "seed must be from 0 to 2**64 - 1"),
+    ([f"--seed={2 ** 64}"], "seed must be from 0 to 2**64 - 1"),
+    (["--device=meta"], "device='meta' is not supported"),
+])
+def test_values_that_make_no_sense_are_one_line_and_change_nothing(trained, data, tmp_path, args,
+                                                                   message):
+    """--max_iters=-3 used to move the old checkpoint aside and write an iteration-0 one;
+    min_lr above learning_rate made the rate rise while it "decayed"; a negative seed or
+    muon_momentum >= 1 ended in a traceback. Each is one line, and the out_dir that holds a
+    run is byte for byte as it was."""
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    before = tree(out)
+    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY, *args,
+                                check=False))
+    assert message in line
+    assert tree(out) == before
+
+
+def test_muon_with_a_zero_learning_rate_freezes_adamws_part_only(data, tmp_path):
+    """learning_rate is AdamW's rate (embeddings, norms); Muon's is muon_lr. Muon's group rate
+    used to be muon_lr / learning_rate times the schedule: a ZeroDivisionError at 0, which is a
+    legitimate probe. The reference is the run's own initialisation (a run of 0 iterations
+    with the same seed): AdamW's parameters must not move at all, Muon's must."""
+    common = [f"--data_dir={data}", *TINY, "--optimizer=muon", "--dtype=float32"]
+    init, probe = str(tmp_path / "init"), str(tmp_path / "probe")
+    train(*common, f"--out_dir={init}", "--max_iters=0")
+    train(*common, f"--out_dir={probe}", "--max_iters=3", "--learning_rate=0", "--min_lr=0")
+    a, b = load(init)["model"], load(probe)["model"]
+    muon = {k for k, v in a.items() if k.startswith("blocks.") and v.dim() == 2}
+    assert muon and all(torch.equal(a[k], b[k]) for k in a if k not in muon)
+    assert all(not torch.equal(a[k], b[k]) for k in muon)
+    assert [row["lr"] for row in log(probe)] == [0.0, 0.0]
+
+
+def test_a_torn_last_log_line_does_not_block_the_resume(data, tmp_path):
+    """A crash in the middle of a log write leaves half a line; the resume used to die on it
+    with a JSONDecodeError. The log is not the run's state: the half line goes, with a warning,
+    and the resumed run logs on. The resume also says which checkpoint and iteration it
+    continues from, read here from the file itself."""
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--eval_interval=2"]
+    train(*common, "--max_iters=2")
+    with open(os.path.join(out, "log.jsonl"), "a") as f:
+        f.write('{"iter": 4, "train_loss": 3.1')  # no end: the crash came here
+    at = load(out)["iter_num"]
+    r = train(*common, "--max_iters=4", "--init_from=resume")
+    assert [row["iter"] for row in log(out)] == [0, 2, 4]
+    assert "warning" in r.stdout and "log.jsonl" in r.stdout
+    first = r.stdout.splitlines()[:3]
+    assert any(f"resumed from {os.path.join(out, 'ckpt.pt')}: iteration {at}," in ln
+               for ln in first), first
+
+
+FULL_DISK_LOG = """
+import builtins, errno, os
+_open = builtins.open
+writes = [0]
+class Full:
+    def __init__(self, f): self.f = f
+    def __enter__(self): return self
+    def __exit__(self, *a): self.f.close()
+    def close(self): self.f.close()
+    def write(self, text):
+        writes[0] += 1
+        if writes[0] != int(os.environ["FULL_DISK_AT_LOG"]):
+            return self.f.write(text)
+        self.f.write(text[:len(text) // 2])  # half the line made it, then the disk was full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+def fake_open(file, mode="r", *a, **k):
+    f = _open(file, mode, *a, **k)
+    return Full(f) if str(file).endswith("log.jsonl") and "a" in mode else f
+builtins.open = fake_open
+"""
+
+
+def test_a_full_disk_while_logging_costs_a_warning_not_the_checkpoint(data, tmp_path):
+    """The log write of the evaluation at iteration 2 fails half-way (ENOSPC). It used to be a
+    traceback before that step's checkpoint was saved. Now: a warning, the run goes on and
+    saves, and the log holds only whole lines (the half line was cut off again)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK_LOG)
+    out = str(tmp_path / "out")
+    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=4",
+              "--eval_interval=2", PYTHONPATH=str(site), FULL_DISK_AT_LOG="2")
+    warnings = [ln for ln in r.stdout.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "log.jsonl" in warnings[0] and "No space left" in warnings[0]
+    assert load(out)["iter_num"] == 4
+    assert [row["iter"] for row in log(out)] == [0, 4]  # every line parses; iteration 2 lost
+
+
+def children(pid):
+    """The pids whose parent is `pid`, from /proc."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def running(pid):
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PDEATHSIG")
+def test_killing_torchrun_stops_its_workers_and_the_resume_is_exact(data, tmp_path):
+    """kill -9 of torchrun's process group used to leave both workers training on their own
+    (torchrun starts them in sessions of their own). Now they get SIGTERM from the kernel when
+    the launcher dies: they finish the step, save and exit within seconds. Resumed from that
+    checkpoint, the run ends bit for bit where an unbroken 2-rank run ends."""
+    out, ref = str(tmp_path / "out"), str(tmp_path / "ref")
+    common = [f"--data_dir={data}", *DDP_ARGS, "--eval_interval=100000"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         TRAIN, *common, f"--out_dir={out}", "--max_iters=100000", "--log_interval=1"],
+        cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    workers = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # wait until both ranks train
+            if select.select([launcher.stdout], [], [], 1.0)[0]:
+                line = launcher.stdout.readline()
+                if line.startswith("iter 3/") or not line:
+                    break
+        workers = children(launcher.pid)
+        assert len(workers) == 2, workers
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and its group
+        launcher.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(running(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(running(w) for w in workers), "the workers outlived their launcher"
+    finally:
+        for w in workers:
+            if running(w):
+                os.kill(w, signal.SIGKILL)
+        launcher.stdout.close()
+        launcher.stderr.close()
+    stopped = load(out)["iter_num"]
+    assert stopped >= 3
+    torchrun(2, *common, f"--out_dir={out}", f"--max_iters={stopped + 2}", "--init_from=resume")
+    torchrun(2, *common, f"--out_dir={ref}", f"--max_iters={stopped + 2}")
+    a, b = load(ref), load(out)
+    assert a["iter_num"] == b["iter_num"] == stopped + 2
+    assert max_diff(a["model"], b["model"]) == 0
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert max(max_diff(sa[i], sb[i]) for i in sa) == 0
+
+
+def readme_torchrun_lines():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return [ln.strip() for ln in f if ln.strip().startswith("torchrun ")]
+
+
+@pytest.mark.slow
+def test_the_readmes_cpu_torchrun_example_runs_as_written(data, tmp_path):
+    """The README's torchrun example failed on a CPU with config/small.py (accumulation 1 on 2
+    processes). Its config/small.py line runs here as written, made tiny by flags added after
+    it (the data, the model's size, 2 iterations), and prints no per-rank FutureWarning
+    (DDP's deprecated broadcast_buffers)."""
+    import shlex
+    line = [ln for ln in readme_torchrun_lines() if "config/small.py" in ln]
+    assert len(line) == 1, readme_torchrun_lines()
+    args = shlex.split(line[0])[1:]
+    nproc = int([a for a in args if a.startswith("--nproc_per_node=")][0].split("=")[1])
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args,
+                        f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2"],
+                       capture_output=True, text=True, cwd=ROOT, env=env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"{nproc} process(es)" in r.stdout and load(out)["iter_num"] == 2
+    assert "FutureWarning" not in r.stderr and "broadcast_buffers" not in r.stderr, r.stderr
+
+
+def test_accumulation_that_the_processes_cannot_share_is_said_once(data, tmp_path):
+    """Accumulation 1 on 2 processes: the error used to be printed by every rank. Rank 0 says
+    it once, with the value to pass; nothing is trained or written."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", TRAIN, f"--data_dir={data}", f"--out_dir={out}",
+                        *TINY, "--max_iters=2"],
+                       capture_output=True, text=True, cwd=ROOT, env=env())
+    assert r.returncode != 0
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "gradient_accumulation" in ln]
+    assert len(said) == 1 and said[0].startswith("error: "), said
+    assert "multiple of 2" in said[0] and "--gradient_accumulation_steps=2" in said[0]
+    assert not out.exists()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a PATH without a compiler, POSIX style")
+def test_compile_without_a_cxx_compiler_falls_back_to_eager_in_one_warning(data, tmp_path):
+    """--compile=True (train.py's default) on a CPU machine without a C++ compiler ended in
+    inductor's traceback at the first forward. Here PATH holds no compiler and CXX is unset:
+    one warning line, an eager run, and the checkpoint records compile=False (what ran)."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    out = str(tmp_path / "out")
+    e = {"PATH": str(empty), "CXX": ""}
+    r = subprocess.run([sys.executable, TRAIN, f"--data_dir={data}", f"--out_dir={out}", *TINY,
+                        "--compile=True", "--max_iters=2", "--device=cpu"],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env={k: v for k, v in env(**e).items() if v})
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = [ln for ln in r.stdout.splitlines() if ln.startswith("warning:")]
+    assert len(warned) == 1 and "C++ compiler" in warned[0], r.stdout
+    assert load(out)["iter_num"] == 2 and load(out)["config"]["compile"] is False
+
+
+def test_wandb_without_a_login_is_one_line_and_leaves_no_out_dir(data, tmp_path):
+    """wandb_log=True with no API key anywhere (a fresh HOME, no WANDB_API_KEY, online mode)
+    used to fail inside wandb.init after out_dir was made. It is one line before anything is
+    written. The network is never reached: wandb's server points at a closed local port."""
+    pytest.importorskip("wandb")
+    home = tmp_path / "home"
+    home.mkdir()
+    out = tmp_path / "out"
+    e = env(HOME=str(home), WANDB_CONFIG_DIR=str(home / "wandb"), WANDB_DIR=str(home),
+            WANDB_BASE_URL="http://127.0.0.1:9", WANDB_SILENT="true")
+    for k in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_IDENTITY_TOKEN_FILE"):
+        e.pop(k, None)
+    r = subprocess.run([sys.executable, TRAIN, f"--data_dir={data}", f"--out_dir={out}", *TINY,
+                        "--max_iters=2", "--wandb_log=True"], capture_output=True, text=True,
+                       cwd=ROOT, env=e, stdin=subprocess.DEVNULL, timeout=120)
+    line = one_line_error(r)
+    assert "wandb" in line and "login" in line
+    assert not out.exists()
