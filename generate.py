@@ -14,7 +14,7 @@ from model import RecurrentState
 def check_sampling(temperature=1.0, top_k=None, top_p=None, vocab_limit=None):
     """Raise ValueError (one line) for sampling settings that cannot work."""
     if vocab_limit is not None and vocab_limit < 1:
-        raise ValueError(f"vocab_limit must be >= 1 (None: the whole vocabulary), got {vocab_limit}")
+        raise ValueError(f"vocab_limit must be >= 1 (None: every id), got {vocab_limit}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 0:
