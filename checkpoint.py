@@ -168,6 +168,12 @@ def load_tokenizer(info, override):
             if file_sha256(path) == info["sha256"]:
                 return spm.SentencePieceProcessor(model_file=path)
             mismatched.append(path)
+    recorded = info.get("path", "")
+    if mismatched and not override and recorded and not os.path.isfile(recorded):
+        # The run's file is gone (moved, most likely); the one found under data/<dataset>/ is
+        # another tokenizer, which says nothing about the run's having been retrained.
+        sys.exit(f"error: the run's tokenizer {recorded} is missing (moved or deleted), and "
+                 f"{mismatched[0]} is another tokenizer; pass the run's with --tokenizer=PATH")
     if mismatched:
         sys.exit(f"error: tokenizer {mismatched[0]} does not match the checkpoint (sha256 differs "
                  f"from {info['sha256'][:12]}...); it was retrained since, so rebuild that dataset "

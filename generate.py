@@ -11,8 +11,10 @@ import torch
 from model import RecurrentState
 
 
-def check_sampling(temperature=1.0, top_k=None, top_p=None):
+def check_sampling(temperature=1.0, top_k=None, top_p=None, vocab_limit=None):
     """Raise ValueError (one line) for sampling settings that cannot work."""
+    if vocab_limit is not None and vocab_limit < 1:
+        raise ValueError(f"vocab_limit must be >= 1 (None: every id), got {vocab_limit}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 0:
@@ -21,10 +23,23 @@ def check_sampling(temperature=1.0, top_k=None, top_p=None):
         raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+# Temperatures in (0, GREEDY_BELOW) decode greedily. Dividing float32 logits by a temperature
+# near 1e-38 or below overflows them to inf (1e-45 gave NaN probabilities and a traceback);
+# and already at 1e-6 the only tokens with a probability above 1e-10 are those within 2.3e-5 of
+# the largest logit, a few float32 rounding steps for logits of size 10-100: greedy is the same
+# distribution up to that rounding, and the limit of sampling as the temperature goes to 0.
+GREEDY_BELOW = 1e-6
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
+                vocab_limit=None):
     """(B, V) logits -> (B, 1) tokens. temperature 0 is greedy; top_k keeps the k likeliest
-    tokens; top_p keeps the smallest set whose probability reaches p."""
-    if temperature == 0:
+    tokens; top_p keeps the smallest set whose probability reaches p. vocab_limit: only ids
+    below it are ever drawn (a model whose vocab_size was padded past its tokenizer's pieces
+    has rows no piece decodes)."""
+    if vocab_limit is not None:  # ids are a prefix, so the slice keeps every id as it is
+        logits = logits[:, :vocab_limit]
+    if temperature < GREEDY_BELOW:
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k:
@@ -94,7 +109,7 @@ def cached_tokens(model, idx, max_new_tokens, sampling, generator, compile):
     step = one_token_step(model, cache, compile, idx.device)
     pos = torch.full((1,), idx.size(1), dtype=torch.long, device=idx.device)
     for i in range(max_new_tokens):
-        token = sample_next(logits, *sampling, generator=generator)
+        token = sample_next(logits, **sampling, generator=generator)
         yield token
         if i + 1 < max_new_tokens:
             logits = step(token, pos)
@@ -107,13 +122,13 @@ def uncached_tokens(model, idx, max_new_tokens, sampling, generator):
     context_window tokens."""
     seq, window = idx, model.config.context_window
     for _ in range(max_new_tokens):
-        token = sample_next(model(seq[:, -window:])[0][:, -1], *sampling, generator=generator)
+        token = sample_next(model(seq[:, -window:])[0][:, -1], **sampling, generator=generator)
         yield token
         seq = torch.cat((seq, token), dim=1)
 
 
 def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                    use_cache=True, generator=None, compile=False):
+                    use_cache=True, generator=None, compile=False, vocab_limit=None):
     """Yield the next (B, 1) tokens one at a time (arguments are checked now, not at the
     first token).
 
@@ -122,18 +137,19 @@ def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top
     attention). use_cache=False: the reference loop, recomputing the last context_window
     tokens per step. compile=True (cached only): the one-token step runs as one static
     compiled graph. Sampling stays outside it, so eager and compiled draw the same tokens
-    whenever their logits agree."""
-    check_sampling(temperature, top_k, top_p)
+    whenever their logits agree. vocab_limit: never draw an id >= it (the tokenizer's piece
+    count, where the model's vocab_size is padded past it)."""
+    check_sampling(temperature, top_k, top_p, vocab_limit)
     check_request(model, idx, max_new_tokens, use_cache, compile)
-    sampling = (temperature, top_k, top_p)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
     if use_cache:
         return cached_tokens(model, idx, max_new_tokens, sampling, generator, compile)
     return uncached_tokens(model, idx, max_new_tokens, sampling, generator)
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-             use_cache=True, generator=None, compile=False):
+             use_cache=True, generator=None, compile=False, vocab_limit=None):
     """Return idx followed by max_new_tokens sampled tokens, (B, T + new)."""
     new = list(generate_stream(model, idx, max_new_tokens, temperature, top_k, top_p,
-                               use_cache, generator, compile))
+                               use_cache, generator, compile, vocab_limit))
     return torch.cat([idx] + new, dim=1)

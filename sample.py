@@ -100,6 +100,8 @@ def parse_args(argv):
         sys.exit(f"error: {e}")
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
         sys.exit("error: num_samples and max_new_tokens must be >= 1")
+    if not 0 <= cfg["seed"] < 2 ** 64:  # what torch.Generator.manual_seed takes
+        sys.exit(f"error: seed must be in [0, 2**64 - 1], got {cfg['seed']}")
     if str(cfg["compile"]).lower() not in ("auto", "true", "false"):
         sys.exit(f"error: compile must be True, False or auto, got {cfg['compile']!r}")
     if str(cfg["compile"]).lower() == "true" and not cfg["use_cache"]:
@@ -156,7 +158,8 @@ def stream_samples(model, sp, prompt_ids, cfg, device, compiled):
                                                     top_k=cfg["top_k"] or None,
                                                     top_p=cfg["top_p"],
                                                     use_cache=cfg["use_cache"], generator=rng,
-                                                    compile=compiled):
+                                                    compile=compiled,
+                                                    vocab_limit=sp.get_piece_size()):
             for b, token in enumerate(next_tokens[:, 0].tolist()):  # .tolist() waits for the device
                 if finished[b]:
                     continue

@@ -9,6 +9,7 @@ are comparable (timings on a shared machine are noisy; read the ratios).
     python bench/train.py --whole=True       # the whole 300-iteration command, both ways
     python bench/train.py --profile=True     # torch.profiler: what train.py adds per step
     python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
+    python bench/train.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
 
 MFU is model FLOPs (model.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
@@ -33,9 +34,23 @@ them) against `python bench/train.py --plain_run=DIR`: PlainGPT's plain loop wit
 evaluations and checkpoint writes; alternated over --rounds rounds.
 --profile=True: torch.profiler over --steps iterations of train.py and of the plain loop on
 our RoFormer (RoPE): per-iteration CPU time by op for each, and the ops where they differ.
+--target=True: quality per unit of time. nanoGPT's shakespeare_char CPU recipe (the shape
+above, dropout 0, --target_iters=2000 iterations, lr 1e-3 warmed up over 100 and cosine-decayed
+to 1e-4 at 2000, betas 0.9/0.99, weight decay 0.1, clip 1.0) on a character-level text
+(--text: a file, or a folder's .txt files in name order, cut to --text_chars characters; its
+first 90% trains, the last 10% is held out, as nanoGPT splits). PlainGPT with AdamW, and our
+RoFormer (RoPE) with Muon (--muon_lr; AdamW at the recipe's rate for the rest) and with AdamW,
+from the same seed and the same batches. They alternate in chunks of --target_eval iterations
+(so the shared machine's load hits all alike), each chunk timed, then scored on the same
+--target_batches held-out batches. The target is PlainGPT's final held-out loss; the table
+gives the first scored iteration at which each run reaches it, the training time (scoring
+excluded) taken to get there, PlainGPT's time over the same iterations, and the time to the
+target as a fraction of PlainGPT's whole run: (ours / PlainGPT's, same iterations, same load)
+x iteration / --target_iters, so a load that drifts during the run does not bias it.
 """
 import contextlib
 import json
+import math
 import os
 import runpy
 import signal
@@ -58,7 +73,9 @@ from optim import build_optimizer  # noqa: E402
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
             "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5, "whole": False,
             "profile": False, "threads": "1,2", "iters": 300, "eval_interval": 250,
-            "eval_iters": 20, "plain_run": "", "adamw_step": False}
+            "eval_iters": 20, "plain_run": "", "adamw_step": False, "target": False,
+            "text": "data/shakespeare/input.txt", "text_chars": 1_115_394, "target_iters": 2000,
+            "target_eval": 25, "target_batches": 20, "muon_lr": 0.02, "seed": 1337}
 try:
     args = configure(defaults, sys.argv[1:])
 except ConfigError as e:
@@ -368,10 +385,126 @@ def adamw_step(threads):
         print(f"| {k} | {1e3 * statistics.median(t):.2f} |")
 
 
+def char_text():
+    """--text as one string (a folder: its .txt files in name order), cut to --text_chars."""
+    path = os.path.join(here, args["text"])
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
+                       if f.endswith(".txt"))
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        sys.exit(f"error: --text={args['text']} is not a file or folder (nanoGPT's input.txt, "
+                 f"or any text: --text=PATH)")
+    parts, size = [], 0
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            parts.append(fh.read())
+        size += len(parts[-1])
+        if size >= args["text_chars"]:
+            break
+    return "".join(parts)[:args["text_chars"]]
+
+
+def recipe_lr(it, n):
+    """nanoGPT's schedule at its shakespeare_char settings: warmup 100, cosine to lr/10 at n."""
+    if it < 100:
+        return LR * (it + 1) / 101
+    ratio = min(1.0, (it - 100) / (n - 100))
+    return LR / 10 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - LR / 10)
+
+
+class TargetRun:
+    """One model + optimizer trained in chunks, its batches from its own seeded generator."""
+
+    def __init__(self, kind, vocab_size):
+        torch.manual_seed(args["seed"])  # the same initial draw for every run
+        shape = dict(RECIPE, vocab_size=vocab_size)
+        del shape["batch_size"]
+        if kind == "nanoGPT, AdamW":
+            self.model = PlainGPT(**shape)
+            self.opt = plain_optimizer(self.model)
+        else:
+            self.model = RoFormer(RoFormerConfig(dropout=0.0, **shape))
+            self.opt = build_optimizer(self.model, LR, WEIGHT_DECAY, BETAS, "cpu",
+                                       name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"])
+        self.kind, self.gen = kind, np.random.default_rng(args["seed"])
+        self.it, self.seconds, self.curve = 0, 0.0, []  # curve: (iteration, seconds, val loss)
+
+    def train(self, data, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lr = recipe_lr(self.it, args["target_iters"])
+            for g in self.opt.param_groups:
+                g["lr"] = lr * g.get("lr_scale", 1.0)
+            start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
+            xy = torch.from_numpy(data[start[:, None] + np.arange(RECIPE["block_size"] + 1)])
+            loss = self.model(xy[:, :-1], xy[:, 1:])[1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            loss.item()  # nanoGPT reads the loss every iteration (its log line)
+            self.it += 1
+        self.seconds += time.perf_counter() - t0
+
+    def score(self, batches):
+        self.model.eval()
+        with torch.no_grad():
+            loss = statistics.mean(self.model(x, y)[1].item() for x, y in batches)
+        self.model.train()
+        self.curve.append((self.it, self.seconds, loss))
+
+
+def target(threads):
+    torch.set_num_threads(threads)
+    text = char_text()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    ids = np.fromiter((lookup[c] for c in text), dtype=np.int64, count=len(text))
+    cut = int(0.9 * len(ids))
+    train_ids, val_ids = ids[:cut], ids[cut:]
+    vgen, T = np.random.default_rng([args["seed"], 1]), RECIPE["block_size"]
+    batches = []
+    for _ in range(args["target_batches"]):
+        xy = torch.from_numpy(val_ids[vgen.integers(0, len(val_ids) - T, RECIPE["batch_size"])
+                                      [:, None] + np.arange(T + 1)])
+        batches.append((xy[:, :-1], xy[:, 1:]))
+    runs = [TargetRun(k, len(chars)) for k in ("nanoGPT, AdamW", "ours, Muon", "ours, AdamW")]
+    n, every = args["target_iters"], args["target_eval"]
+    for c in range(0, n, every):
+        for r in runs[c // every % 3:] + runs[:c // every % 3]:  # rotate who goes first
+            r.train(train_ids, min(every, n - c))
+            r.score(batches)
+        print(f"iter {runs[0].it}: " + ", ".join(f"{r.curve[-1][2]:.4f} ({r.seconds:.1f} s)"
+                                                 for r in runs), file=sys.stderr, flush=True)
+    base = runs[0]
+    goal = base.curve[-1][2]
+    shape = {k: v for k, v in RECIPE.items() if k != "vocab_size"}
+    print(f"\n{args['text']}: {len(text):,} characters, vocab {len(chars)}, held out the last "
+          f"10%; nanoGPT's CPU recipe {shape}, {n} iterations, float32, eager, {threads} "
+          f"thread(s), seed {args['seed']}, muon_lr {args['muon_lr']}; held-out loss (nats/char) "
+          f"over {args['target_batches']} batches every {every} iterations; time = training only")
+    # The machine is shared and its load drifts, but each chunk of every run ran side by side:
+    # so the time to the target is compared with nanoGPT's time over the same iterations, and
+    # scaled by that iteration's share of nanoGPT's run (its steps all cost the same work).
+    print("| run | final loss | - nanoGPT's | reaches nanoGPT's final at iter | train s there | "
+          "nanoGPT's s there | time vs nanoGPT's whole run | total train s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in runs:
+        hit = next(((i, s) for i, s, v in r.curve if v <= goal), None)
+        where = "- | - | - | -"
+        if hit:
+            base_s = next(s for i, s, _ in base.curve if i == hit[0])
+            where = f"{hit[0]} | {hit[1]:.1f} | {base_s:.1f} | {hit[1] / base_s * hit[0] / n:.2f}x"
+        print(f"| {r.kind} | {r.curve[-1][2]:.4f} | "
+              f"{r.curve[-1][2] - goal:+.4f} | {where} | {r.seconds:.1f} |")
+
+
 if args["plain_run"]:
     plain_run(args["plain_run"])
     sys.exit(0)
-if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"]:
+if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"] or args["target"]:
     for threads in map(int, str(args["threads"]).split(",")):
         if args["overhead"]:
             overhead(threads)
@@ -381,6 +514,8 @@ if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"]:
             profile(threads)
         if args["adamw_step"]:
             adamw_step(threads)
+        if args["target"]:
+            target(threads)
     sys.exit(0)
 scope = {}
 with open(os.path.join(here, args["config"])) as f:

@@ -212,6 +212,64 @@ def test_stream_equals_decode_of_generated_tokens(ws, capsys, attention):
     assert out.startswith(prompt)
 
 
+def padded_vocab(src, dst, pad):
+    """Checkpoint src with vocab_size padded by `pad` ids past the tokenizer's pieces (train.py
+    allows a padded vocab_size) and weights that make those ids dominate every step: the final
+    norm outputs the constant e_0 (gain 0, bias e_0), and the tied embedding's column 0 is 0
+    for real ids and 50 for padded ones, so every real id's logit is 0 and every padded id's 50."""
+    ckpt = torch.load(os.path.join(src, "ckpt.pt"), weights_only=True)
+    pieces = ckpt["model_args"]["vocab_size"]
+    ckpt["model_args"] = dict(ckpt["model_args"], vocab_size=pieces + pad, bias=True)
+    torch.manual_seed(0)
+    model = RoFormer(RoFormerConfig(**ckpt["model_args"]))
+    with torch.no_grad():
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.zero_()
+        model.ln_f.bias[0] = 1.0
+        model.wte.weight[:, 0] = 0.0
+        model.wte.weight[pieces:, 0] = 50.0
+    ckpt["model"] = model.state_dict()
+    torch.save(ckpt, os.path.join(dst, "ckpt.pt"))
+    return model.eval(), pieces
+
+
+@pytest.mark.parametrize("temperature", ["0", "1.0"])
+def test_padded_vocab_never_samples_ids_the_tokenizer_lacks(ws, capsys, tmp_path, temperature):
+    """A model whose vocab_size exceeds the tokenizer's pieces, its padded ids far likelier
+    than any real one: sample.py draws only ids the tokenizer decodes (uniformly among them
+    here, all real logits being equal) and prints their decode."""
+    model, pieces = padded_vocab(ws["softmax"], tmp_path, pad=64)
+    sp, prompt = ws["sp"], ws["sp"].encode("def f")
+    assert sp.get_piece_size() == pieces
+    x = torch.tensor(prompt)[None]
+    unlimited = decoding.generate(model, x, 20, temperature=float(temperature))[0, len(prompt):]
+    assert (unlimited >= pieces).all()  # the setup works: unmasked, only padded ids come out
+    out = run(capsys, f"--out_dir={tmp_path}", "--start=def f", "--max_new_tokens=40",
+              f"--temperature={temperature}", "--top_k=0", "--stop_at_eos=False", "--seed=4").out
+    (ref,) = reference(str(tmp_path), prompt, 40, 4, temperature=float(temperature),
+                       vocab_limit=pieces)
+    assert max(ref) < pieces
+    assert out == sp.decode(ref) + "\n"
+    if temperature == "1.0":  # sampled among the real ids, not collapsed onto one
+        assert len(set(ref[len(prompt):])) > 10
+
+
+def test_vanishing_temperature_is_greedy(ws, capsys):
+    """Temperatures below generate.GREEDY_BELOW decode greedily (float32 logits divided by
+    1e-45 overflow to inf and NaN probabilities); just above the floor it still samples:
+    two logits 2**-17 (7.6e-6) apart at temperature 1e-5 are drawn about 32/68."""
+    a = ("--out_dir=" + ws["softmax"], "--start=def f", "--max_new_tokens=30", "--top_k=0",
+         "--stop_at_eos=False", "--seed=9")
+    assert run(capsys, *a, "--temperature=1e-45").out == run(capsys, *a, "--temperature=0").out
+    logits = torch.tensor([[1.0, 1.0 + 2 ** -17, -5.0]])
+    assert decoding.sample_next(logits, temperature=1e-45).item() == 1
+    g = torch.Generator().manual_seed(0)
+    draws = [decoding.sample_next(logits, temperature=1e-5, generator=g).item()
+             for _ in range(400)]
+    p1 = 1 / (1 + torch.exp(torch.tensor(-(2 ** -17) / 1e-5, dtype=torch.float64)).item())
+    assert abs(draws.count(1) / 400 - p1) < 0.08 and draws.count(2) == 0
+
+
 @pytest.mark.slow
 def test_compile_auto_switches_by_length_and_keeps_the_text(ws, capsys, monkeypatch):
     """--compile=auto stays eager for a short CPU run (compiling would cost more than it
@@ -315,6 +373,8 @@ def test_argument_errors(ws, capsys, tmp_path):
     assert "prompt file" in err(capsys, o, f"--start=FILE:{tmp_path / 'missing.txt'}")
     assert "rope_scaling" in err(capsys, o, "--rope_scaling=yarn")
     assert "compile must be" in err(capsys, o, "--compile=yes")
+    for seed in (-1, 2 ** 64):  # torch.Generator.manual_seed takes [0, 2**64 - 1]
+        assert "seed must be in [0, 2**64 - 1]" in err(capsys, o, f"--seed={seed}")
     assert "use_cache" in err(capsys, o, "--compile=True", "--use_cache=False")
 
 
@@ -361,6 +421,27 @@ def test_tokenizer_missing_or_mismatched(ws, capsys, tmp_path):
     # a retrained tokenizer at the recorded path is refused
     train_tokenizer(str(tmp_path / "gone.model"), byte_fallback=False)
     assert "does not match" in err(capsys, f"--out_dir={tmp_path / 'a'}")
+
+
+def test_moved_tokenizer_is_reported_as_missing_not_retrained(ws, capsys, tmp_path,
+                                                              monkeypatch):
+    """The recorded tokenizer is gone and data/<dataset>/tokenizer.model holds another one:
+    the message says the run's file is missing and how to point to it, not "retrained"; the
+    file at the new place is then accepted."""
+    import checkpoint
+    monkeypatch.setattr(checkpoint, "REPO", str(tmp_path))
+    (tmp_path / "data" / "tiny").mkdir(parents=True)
+    train_tokenizer(str(tmp_path / "data" / "tiny" / "tokenizer.model"), byte_fallback=False)
+    ckpt = torch.load(os.path.join(ws["softmax"], "ckpt.pt"), weights_only=True)
+    gone = tmp_path / "old" / "tokenizer.model"
+    ckpt["tokenizer"] = dict(ckpt["tokenizer"], path=str(gone), dataset="tiny")
+    (tmp_path / "run").mkdir()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    msg = err(capsys, f"--out_dir={tmp_path / 'run'}")
+    assert f"{gone} is missing" in msg and "--tokenizer=PATH" in msg and "retrained" not in msg
+    shutil.copy(ws["data"] / "tokenizer.model", tmp_path / "moved.model")
+    assert run(capsys, f"--out_dir={tmp_path / 'run'}", f"--tokenizer={tmp_path / 'moved.model'}",
+               "--max_new_tokens=3").out
 
 
 def test_prompt_the_tokenizer_cannot_encode(ws, capsys, tmp_path):
