@@ -476,7 +476,7 @@ def target(threads):
         for r in runs[c // every % 3:] + runs[:c // every % 3]:  # rotate who goes first
             r.train(train_ids, min(every, n - c))
             r.score(batches)
-        print(f"iter {runs[0].it}: " + ", ".join(f"{r.curve[-1][2]:.4f} ({r.seconds:.1f} s)"
+        print(f"iter {runs[0].it}: " + ", ".join(f"{r.curve[-1][2]:.4f} ({r.seconds:.2f} s)"
                                                  for r in runs), file=sys.stderr, flush=True)
     base = runs[0]
     goal = base.curve[-1][2]
