@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19);
-4. decoding caches; 5. the transformer. Decoding itself: generate.py. The position baselines
-of the ablations (lib/baselines.py) plug into the transformer's position hooks."""
+4. decoding caches; 5. the transformer, whose position hooks reach the ablations' baselines
+(lib/baselines.py, imported only when pos_encoding is not "rope"). Decoding: generate.py."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -10,7 +10,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
 
@@ -75,9 +74,9 @@ class RoFormerConfig:
 
 @torch.no_grad()
 def init_parameter(name, p, n_layer, generator=None):
-    """The one init rule, by parameter name (RoFormer and parallel.py's meta-device build call
-    it): matrices normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so
-    the residual stream's variance does not grow with depth; norm weights 1, biases 0."""
+    """The one init rule, by name (RoFormer and parallel.py's meta-device build use it): matrices
+    normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so the residual
+    stream's variance does not grow with depth; norm weights 1, biases 0."""
     if name.endswith("bias"):
         p.zero_()
     elif p.dim() == 1:
@@ -99,11 +98,10 @@ def ntk_base(base, factor, head_dim):
 
 def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
-    from float64 (a float32 angle is off by ~3e-2 rad at m = 1e6). Context extension: linear
-    divides positions by `factor`; ntk grows the base (ntk_base)."""
+    from float64 on the CPU, also under device("meta") (a float32 angle is off by ~3e-2 rad at
+    m = 1e6). Context extension: linear divides positions by `factor`; ntk grows the base."""
     if scaling == "ntk":
         base = ntk_base(base, factor, head_dim)
-    # on the CPU (float64 exists there), also when the model is built under device("meta")
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device="cpu").double() / head_dim)
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)
     angle = torch.outer(pos, inv_freq)
@@ -124,17 +122,17 @@ def apply_rope(x, cos, sin):
 #
 # Rotation in the numerator only: the weights need not be positive nor sum to one (their sum
 # shrinks as the context grows on random inputs; `linear_norm` removes that drift).
-# The denominator needs a guard: per channel pair, phi(q) = (a1, a2), phi(k) = (b1, b2) >= 0,
-# the numerator has (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin, the denominator a1 b1 + a2 b2
-# only: 0 for a query on channel i and keys on i + d/2 (relu does this). Both are at most
-# (a1 + a2)(b1 + b2), so bound = sum_n fold(phi(q_m)) . fold(phi(k_n)), fold(x) = x[:d/2] +
-# x[d/2:], bounds the weights' absolute sum, and dividing by max(denominator, GUARD * bound)
-# keeps outputs within max|v| / GUARD. The fold pairs channel i with i + d/2 exactly as
-# apply_rope pairs them: a change to which channels rotate (partial rotary, say) must change
-# the fold too, and tests/test_contract.py's linear-attention bound catches a mismatch. For similar features in a pair the bound is about twice
-# the denominator: eq. 19 is unchanged unless its denominator is small for its numerator.
-# Chunked: a masked L x L product inside each chunk, and across chunks the state S = sum R_n
-# phi(k_n) v_n^T, z = sum phi(k_n), one per chunk (never (N, d, d_v) prefix sums).
+# The guard: per channel pair, phi(q) = (a1, a2), phi(k) = (b1, b2) >= 0, the numerator has
+# (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin, the denominator a1 b1 + a2 b2 only: 0 for a query
+# on channel i and keys on i + d/2 (relu does this). Both are at most (a1 + a2)(b1 + b2), so
+# bound = sum_n fold(phi(q_m)) . fold(phi(k_n)), fold(x) = x[:d/2] + x[d/2:], bounds the
+# weights' absolute sum, and dividing by max(denominator, GUARD * bound) keeps outputs within
+# max|v| / GUARD. For similar features in a pair the bound is about twice the denominator:
+# eq. 19 is unchanged unless its denominator is small for its numerator. The fold pairs channel
+# i with i + d/2 exactly as apply_rope pairs them: a change to which channels rotate (partial
+# rotary, say) must change the fold too; tests/test_contract.py's linear-attention bound
+# catches a mismatch. Chunked: a masked L x L product inside each chunk, and across chunks the
+# state S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n), one per chunk (never (N, d, d_v) sums).
 GUARD = 0.25
 
 
@@ -204,13 +202,11 @@ class KVCache:
             shape = (k.size(0), k.size(1), self.slot_pos.numel(), k.size(3))
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
         keys, values = self.keys[layer], self.values[layer]
-        if write_first:
-            keys[:, :, slots], values[:, :, slots] = k, v
-            return keys, values
-        attended = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
-        kept = slots.numel()
+        seen = (keys, values) if write_first else (torch.cat((keys, k), 2),
+                                                   torch.cat((values, v), 2))
+        kept = slots.numel()  # of a chunk longer than the cache, its last `size` keys
         keys[:, :, slots], values[:, :, slots] = k[:, :, -kept:], v[:, :, -kept:]
-        return attended
+        return seen
 
 
 class RecurrentState:
@@ -219,10 +215,10 @@ class RecurrentState:
     def __init__(self, n_layer):
         self.state = [None] * n_layer
 
-    def update(self, layer, S, z):
+    def update(self, layer, S, z):  # in place: a compiled (CUDA-graph) step replays addresses
         if self.state[layer] is None:
             self.state[layer] = (S, z)
-        else:  # in place: a compiled (CUDA-graph) step replays fixed addresses
+        else:
             self.state[layer][0].copy_(S)
             self.state[layer][1].copy_(z)
 
@@ -244,7 +240,7 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.rel_k = None  # a baseline's score table of this layer (shaw): baseline_tables
+        self.rel_k = None  # a baseline's own table in this layer (shaw's), by baseline_tables
         baseline_tables(self, cfg, "attention")
 
     def forward(self, x, where, cache=None):
@@ -256,8 +252,7 @@ class Attention(nn.Module):
     def softmax(self, qkv, where, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
         q, k = apply_rope(qk, *where.rope) if where.rope is not None else qk  # v: not rotated
-        v = v.squeeze(0)
-        mask = where.mask
+        v, mask = v.squeeze(0), where.mask
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
             mask = mask + self.rel_k(q, where.distance)
         if mask is not None and mask.is_floating_point():
@@ -303,7 +298,7 @@ class RoFormer(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = self.rel_bias = None  # a baseline's tables (learned, t5): baseline_tables
+        self.wpe = self.rel_bias = None  # a baseline's tables (learned, t5), by baseline_tables
         baseline_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
@@ -343,7 +338,7 @@ class RoFormer(nn.Module):
 
     def position_embedding(self, pos, index):
         """Position hook 1 of 2: what is added to the token embeddings at `pos` (`index`: the
-        same as a slice, or the static step's tensor), or None (RoPE)."""
+        same, as a slice or the static step's tensor), or None (RoPE)."""
         if self.config.pos_encoding == "rope":
             return None
         from lib import baselines  # lazily: a RoPE run imports no baseline code
@@ -378,8 +373,7 @@ class RoFormer(nn.Module):
             self.pos_tables(start_pos + T, idx.device)
             pos = torch.arange(start_pos, start_pos + T, device=idx.device)
             index = slice(start_pos, start_pos + T)
-        x = self.wte(idx)
-        added = self.position_embedding(pos, index)
+        x, added = self.wte(idx), self.position_embedding(pos, index)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
         if isinstance(cache, KVCache):
@@ -416,9 +410,8 @@ class RoFormer(nn.Module):
 
 
 def baseline_tables(owner, cfg, scope):
-    """Construction hook: an ablation baseline's learned tables, set on `owner` (scope "model":
-    RoFormer's wpe, rel_bias; "attention": each layer's rel_k) where checkpoints have always had
-    them. RoPE learns no position parameters and imports no baseline code."""
+    """Construction hook: an ablation baseline's learned tables on `owner` (scope "model":
+    RoFormer's wpe, rel_bias; "attention": each layer's rel_k), where checkpoints have them."""
     if cfg.pos_encoding != "rope":
         from lib import baselines
         baselines.add_tables(owner, cfg, scope)
