@@ -1,6 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
-Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE and the baselines; 3. linear
-attention (eq. 19); 4. decoding caches; 5. the transformer. Decoding itself: generate.py."""
+Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19);
+4. decoding caches; 5. the transformer, whose position hooks reach the ablations' baselines
+(lib/baselines.py, imported only when pos_encoding is not "rope"). Decoding: generate.py."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -9,7 +10,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 
 RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
 
@@ -74,9 +74,9 @@ class RoFormerConfig:
 
 @torch.no_grad()
 def init_parameter(name, p, n_layer, generator=None):
-    """The one init rule, by parameter name (RoFormer and parallel.py's meta-device build call
-    it): matrices normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so
-    the residual stream's variance does not grow with depth; norm weights 1, biases 0."""
+    """The one init rule, by name (RoFormer and parallel.py's meta-device build use it): matrices
+    normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so the residual
+    stream's variance does not grow with depth; norm weights 1, biases 0."""
     if name.endswith("bias"):
         p.zero_()
     elif p.dim() == 1:
@@ -98,11 +98,10 @@ def ntk_base(base, factor, head_dim):
 
 def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
-    from float64 (a float32 angle is off by ~3e-2 rad at m = 1e6). Context extension: linear
-    divides positions by `factor`; ntk grows the base (ntk_base)."""
+    from float64 on the CPU, also under device("meta") (a float32 angle is off by ~3e-2 rad at
+    m = 1e6). Context extension: linear divides positions by `factor`; ntk grows the base."""
     if scaling == "ntk":
         base = ntk_base(base, factor, head_dim)
-    # on the CPU (float64 exists there), also when the model is built under device("meta")
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device="cpu").double() / head_dim)
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)
     angle = torch.outer(pos, inv_freq)
@@ -117,58 +116,23 @@ def apply_rope(x, cos, sin):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def sinusoidal_embedding(pos, dim):
-    """The fixed absolute encoding of 'Attention Is All You Need', scaled to an RMS of 0.02,
-    the init scale of the token embeddings it is added to: unscaled (RMS 0.71) it would drown
-    the tokens 35 to 1 at init, handicapping the baseline rather than testing it."""
-    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
-    angle = pos.cpu().double()[:, None] * inv_freq  # on the CPU: some devices lack float64
-    return (torch.cat((angle.sin(), angle.cos()), dim=-1) * 0.02 * math.sqrt(2)).float()
-
-
-# Relative baselines: distances d = i - j (query minus key position) -> a bias on the scores.
-
-def shaw_bias(q, table, d):
-    """Shaw et al. 2018, keys side: q_i . a_clip(i-j) / sqrt(D), one vector a per clipped
-    distance (table (rel_clip + 1, D)): the (Lq, rel_clip+1) products q . a gathered by
-    distance, never the (Lq, Lk, D) a_ij. The values-side term is left out."""
-    qa = q.float() @ table.float().t()
-    idx = d.clamp(0, table.size(0) - 1).expand(*qa.shape[:2], -1, -1)
-    return qa.gather(-1, idx) / math.sqrt(q.size(-1))
-
-
-def t5_bucket(d, num_buckets=32, max_distance=128):
-    """T5's causal bucket of d >= 0: d below num_buckets // 2, then log-spaced to max_distance."""
-    d = d.clamp(min=0)
-    exact = num_buckets // 2
-    far = exact + (torch.log(d.float().clamp(min=1) / exact) / math.log(max_distance / exact)
-                   * (num_buckets - exact)).long()
-    return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
-
-
-def alibi_slopes(n_head):
-    """Press et al.'s slopes 2^(-8/n) .. 2^(-8) for n a power of two; else those of the power
-    of two below n, then every other one of twice as many heads, as in the paper's code."""
-    p = 2 ** int(math.log2(n_head))
-    slopes = [2 ** (-8 * (i + 1) / p) for i in range(p)]
-    return slopes + [2 ** (-8 * (i + 1) / (2 * p)) for i in range(0, 2 * p, 2)][:n_head - p]
-
-
 # 3. Linear attention, RoFormer eq. 19, causal:
 #
 #   o_m = sum_{n<=m} (R_m phi(q_m))^T (R_n phi(k_n)) v_n / (sum_{n<=m} phi(q_m)^T phi(k_n) + eps)
 #
 # Rotation in the numerator only: the weights need not be positive nor sum to one (their sum
 # shrinks as the context grows on random inputs; `linear_norm` removes that drift).
-# The denominator needs a guard: per channel pair, phi(q) = (a1, a2), phi(k) = (b1, b2) >= 0,
-# the numerator has (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin, the denominator a1 b1 + a2 b2
-# only: 0 for a query on channel i and keys on i + d/2 (relu does this). Both are at most
-# (a1 + a2)(b1 + b2), so bound = sum_n fold(phi(q_m)) . fold(phi(k_n)), fold(x) = x[:d/2] +
-# x[d/2:], bounds the weights' absolute sum, and dividing by max(denominator, GUARD * bound)
-# keeps outputs within max|v| / GUARD. For similar features in a pair the bound is about twice
-# the denominator: eq. 19 is unchanged unless its denominator is small for its numerator.
-# Chunked: a masked L x L product inside each chunk, and across chunks the state S = sum R_n
-# phi(k_n) v_n^T, z = sum phi(k_n), one per chunk (never (N, d, d_v) prefix sums).
+# The guard: per channel pair, phi(q) = (a1, a2), phi(k) = (b1, b2) >= 0, the numerator has
+# (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin, the denominator a1 b1 + a2 b2 only: 0 for a query
+# on channel i and keys on i + d/2 (relu does this). Both are at most (a1 + a2)(b1 + b2), so
+# bound = sum_n fold(phi(q_m)) . fold(phi(k_n)), fold(x) = x[:d/2] + x[d/2:], bounds the
+# weights' absolute sum, and dividing by max(denominator, GUARD * bound) keeps outputs within
+# max|v| / GUARD. For similar features in a pair the bound is about twice the denominator:
+# eq. 19 is unchanged unless its denominator is small for its numerator. The fold pairs channel
+# i with i + d/2 exactly as apply_rope pairs them: a change to which channels rotate (partial
+# rotary, say) must change the fold too; tests/test_contract.py's linear-attention bound
+# catches a mismatch. Chunked: a masked L x L product inside each chunk, and across chunks the
+# state S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n), one per chunk (never (N, d, d_v) sums).
 GUARD = 0.25
 
 
@@ -238,13 +202,11 @@ class KVCache:
             shape = (k.size(0), k.size(1), self.slot_pos.numel(), k.size(3))
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
         keys, values = self.keys[layer], self.values[layer]
-        if write_first:
-            keys[:, :, slots], values[:, :, slots] = k, v
-            return keys, values
-        attended = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
-        kept = slots.numel()
+        seen = (keys, values) if write_first else (torch.cat((keys, k), 2),
+                                                   torch.cat((values, v), 2))
+        kept = slots.numel()  # of a chunk longer than the cache, its last `size` keys
         keys[:, :, slots], values[:, :, slots] = k[:, :, -kept:], v[:, :, -kept:]
-        return attended
+        return seen
 
 
 class RecurrentState:
@@ -253,10 +215,10 @@ class RecurrentState:
     def __init__(self, n_layer):
         self.state = [None] * n_layer
 
-    def update(self, layer, S, z):
+    def update(self, layer, S, z):  # in place: a compiled (CUDA-graph) step replays addresses
         if self.state[layer] is None:
             self.state[layer] = (S, z)
-        else:  # in place: a compiled (CUDA-graph) step replays fixed addresses
+        else:
             self.state[layer][0].copy_(S)
             self.state[layer][1].copy_(z)
 
@@ -265,7 +227,7 @@ class RecurrentState:
 class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
     rope: Optional[tuple]                    # (cos, sin) at the tokens' positions, RoPE only
     mask: Optional[torch.Tensor]             # None: causal; bool, or float bias (-inf: hidden)
-    distance: Optional[torch.Tensor] = None  # query x key distances (shaw adds its term)
+    distance: Optional[torch.Tensor] = None  # query x key distances (for rel_k's term)
     slots: Optional[torch.Tensor] = None     # KV cache: where the new keys go (KVCache.place)
     write_first: bool = True
 
@@ -278,8 +240,8 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        shaw = cfg.pos_encoding == "shaw"  # this layer's key-side distance embeddings:
-        self.rel_k = nn.Embedding(cfg.rel_clip + 1, self.head_dim) if shaw else None
+        self.rel_k = None  # a baseline's own table in this layer (shaw's), by baseline_tables
+        baseline_tables(self, cfg, "attention")
 
     def forward(self, x, where, cache=None):
         B, T, _ = x.shape
@@ -290,10 +252,9 @@ class Attention(nn.Module):
     def softmax(self, qkv, where, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
         q, k = apply_rope(qk, *where.rope) if where.rope is not None else qk  # v: not rotated
-        v = v.squeeze(0)
-        mask = where.mask
+        v, mask = v.squeeze(0), where.mask
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
-            mask = mask + shaw_bias(q, self.rel_k.weight, where.distance)
+            mask = mask + self.rel_k(q, where.distance)
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # SDPA wants q's dtype; the bias was built in float32
         if cache is not None:
@@ -335,11 +296,10 @@ class Block(nn.Module):  # pre-norm: x + attn(norm(x)), then x + mlp(norm(x))
 class RoFormer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.config, pe = cfg, cfg.pos_encoding
+        self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if pe == "learned" else None
-        # t5: one scalar per (bucket, head), shared by all layers as in T5
-        self.rel_bias = nn.Embedding(cfg.t5_buckets, cfg.n_head) if pe == "t5" else None
+        self.wpe = self.rel_bias = None  # a baseline's tables (learned, t5), by baseline_tables
+        baseline_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -372,32 +332,26 @@ class RoFormer(nn.Module):
         if c.pos_encoding == "rope":
             self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(
                 pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor))
-        else:
+        else:  # sinusoidal
+            from lib.baselines import sinusoidal_embedding
             self.sin_emb = sinusoidal_embedding(pos, c.n_embd).to(device)
 
     def position_embedding(self, pos, index):
-        """Position hook 1 of 2: what is added to the token embeddings at `pos`, or None."""
-        if self.config.pos_encoding == "learned":
-            return self.wpe(pos)
-        if self.config.pos_encoding == "sinusoidal":
-            return self.sin_emb[index].to(self.wte.weight.dtype)
-        return None
+        """Position hook 1 of 2: what is added to the token embeddings at `pos` (`index`: the
+        same, as a slice or the static step's tensor), or None (RoPE)."""
+        if self.config.pos_encoding == "rope":
+            return None
+        from lib import baselines  # lazily: a RoPE run imports no baseline code
+        return baselines.position_embedding(self, pos, index)
 
     def position_bias(self, d, visible):
         """Position hook 2 of 2: the float32 bias added to the scores of distances d (Lq, Lk),
         shared by the layers ((H or 1, Lq, Lk); shaw adds its query term in Attention), -inf
         where not `visible` (causality, the decoding window). Without a bias: `visible`."""
-        c = self.config
-        if c.pos_encoding == "t5":  # (Lq, Lk, H) -> (H, Lq, Lk)
-            bias = self.rel_bias(t5_bucket(d, c.t5_buckets, c.t5_max_distance)).permute(2, 0, 1)
-        elif c.pos_encoding == "alibi":
-            slopes = torch.tensor(alibi_slopes(c.n_head), dtype=torch.float32, device=d.device)
-            bias = -slopes[:, None, None] * d.float()
-        elif c.pos_encoding == "shaw":
-            bias = torch.zeros(1, *d.shape, device=d.device)
-        else:
+        if self.config.pos_encoding not in RELATIVE:
             return visible
-        return bias.float().masked_fill(~visible, float("-inf"))
+        from lib import baselines
+        return baselines.position_bias(self, d, visible)
 
     def new_cache(self, total_len, device):  # for generate.py, which passes it to forward
         c = self.config
@@ -416,14 +370,10 @@ class RoFormer(nn.Module):
                 raise ValueError(f"a tensor start_pos decodes one token per sequence, got {T}")
             pos = index = start_pos
         else:
-            if c.pos_encoding == "learned" and start_pos + T > c.block_size:
-                raise ValueError(f"learned positions end at block_size={c.block_size}; cannot "
-                                 f"run position {start_pos + T - 1} (use use_cache=False to crop)")
             self.pos_tables(start_pos + T, idx.device)
             pos = torch.arange(start_pos, start_pos + T, device=idx.device)
             index = slice(start_pos, start_pos + T)
-        x = self.wte(idx)
-        added = self.position_embedding(pos, index)
+        x, added = self.wte(idx), self.position_embedding(pos, index)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
         if isinstance(cache, KVCache):
@@ -457,3 +407,11 @@ class RoFormer(nn.Module):
             length, d = min(c.linear_chunk, seq_len), c.n_embd // c.n_head
             attn = 2 * c.n_embd * (2 * length + 2 * d)
         return 6 * self.num_params() + 3 * c.n_layer * attn
+
+
+def baseline_tables(owner, cfg, scope):
+    """Construction hook: an ablation baseline's learned tables on `owner` (scope "model":
+    RoFormer's wpe, rel_bias; "attention": each layer's rel_k), where checkpoints have them."""
+    if cfg.pos_encoding != "rope":
+        from lib import baselines
+        baselines.add_tables(owner, cfg, scope)

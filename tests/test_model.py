@@ -578,7 +578,7 @@ def test_sinusoidal_table_has_the_embeddings_init_scale():
     """The baseline's fixed table must not drown the token embeddings (init std 0.02)."""
     m = tiny(pos_encoding="sinusoidal", n_embd=64, block_size=512)
     table = m(torch.zeros(1, 512, dtype=torch.long))[0]  # exercises the forward path too
-    from model import sinusoidal_embedding
+    from lib.baselines import sinusoidal_embedding
     rms = sinusoidal_embedding(torch.arange(512), 64).pow(2).mean().sqrt().item()
     tok = m.wte.weight.pow(2).mean().sqrt().item()
     assert table.isfinite().all() and 0.5 < rms / tok < 2.0
@@ -589,11 +589,11 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
     with it. Rebuilding it inside forward meant a float64 CPU computation and a host-to-device
     copy on every GPU step, and a break in the compiled graph. The cached table still equals
     the formula (reference_forward writes it out), also once decoding grows it."""
-    import model as M
+    import lib.baselines as B
     m = tiny(pos_encoding="sinusoidal")
     built = []
-    real = M.sinusoidal_embedding
-    monkeypatch.setattr(M, "sinusoidal_embedding", lambda *a: built.append(a) or real(*a))
+    real = B.sinusoidal_embedding
+    monkeypatch.setattr(B, "sinusoidal_embedding", lambda *a: built.append(a) or real(*a))
     idx = torch.randint(0, 61, (2, 16))
     logits = m(idx)[0]
     m(idx)

@@ -1,0 +1,101 @@
+"""The position-encoding baselines RoPE is measured against (pos_encoding "learned",
+"sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"). model.py imports this
+module only when pos_encoding is not "rope", and reaches it through three hooks:
+add_tables (construction: the learned tables, registered where checkpoints have always had
+them), position_embedding (added to the token embeddings) and position_bias (added to the
+attention scores). Otherwise the model runs the same code path, so comparisons are fair."""
+import math
+
+import torch
+import torch.nn as nn
+
+
+def add_tables(owner, cfg, scope):
+    """Construction hook: a baseline's learned tables on `owner`, None where it has none.
+    scope "model" (RoFormer): wpe, learned absolute positions; rel_bias, T5's one scalar per
+    (bucket, head), shared by all layers as in T5. scope "attention": rel_k, Shaw's key-side
+    distance embeddings, one table per layer."""
+    pe = cfg.pos_encoding
+    if scope == "model":
+        owner.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if pe == "learned" else None
+        owner.rel_bias = nn.Embedding(cfg.t5_buckets, cfg.n_head) if pe == "t5" else None
+    else:
+        owner.rel_k = ShawKeys(cfg.rel_clip + 1, cfg.n_embd // cfg.n_head) if pe == "shaw" else None
+
+
+# Absolute baselines: a vector per position, added to the token embeddings.
+
+def sinusoidal_embedding(pos, dim):
+    """The fixed absolute encoding of 'Attention Is All You Need', scaled to an RMS of 0.02,
+    the init scale of the token embeddings it is added to: unscaled (RMS 0.71) it would drown
+    the tokens 35 to 1 at init, handicapping the baseline rather than testing it."""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
+    angle = pos.cpu().double()[:, None] * inv_freq  # on the CPU: some devices lack float64
+    return (torch.cat((angle.sin(), angle.cos()), dim=-1) * 0.02 * math.sqrt(2)).float()
+
+
+def position_embedding(model, pos, index):
+    """Position hook 1 of 2 (RoFormer.position_embedding): learned rows of model.wpe, or the
+    sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.pos_tables builds with
+    sinusoidal_embedding and grows), at positions pos (index: the same as a slice, or the
+    static step's tensor); None for the encodings that add nothing."""
+    c = model.config
+    if c.pos_encoding == "learned":
+        if isinstance(index, slice) and index.stop > c.block_size:
+            raise ValueError(f"learned positions end at block_size={c.block_size}; cannot "
+                             f"run position {index.stop - 1} (use use_cache=False to crop)")
+        return model.wpe(pos)
+    if c.pos_encoding == "sinusoidal":
+        return model.sin_emb[index].to(model.wte.weight.dtype)
+    return None
+
+
+# Relative baselines: distances d = i - j (query minus key position) -> a bias on the scores.
+
+def shaw_bias(q, table, d):
+    """Shaw et al. 2018, keys side: q_i . a_clip(i-j) / sqrt(D), one vector a per clipped
+    distance (table (rel_clip + 1, D)): the (Lq, rel_clip+1) products q . a gathered by
+    distance, never the (Lq, Lk, D) a_ij. The values-side term is left out."""
+    qa = q.float() @ table.float().t()
+    idx = d.clamp(0, table.size(0) - 1).expand(*qa.shape[:2], -1, -1)
+    return qa.gather(-1, idx) / math.sqrt(q.size(-1))
+
+
+class ShawKeys(nn.Embedding):
+    """A layer's Shaw table (Attention.rel_k): called on the queries and the distances, it
+    gives the one score term that depends on the query, so it cannot be shared by the layers
+    like the bias of position_bias (whose zeros it is added to)."""
+
+    def forward(self, q, d):
+        return shaw_bias(q, self.weight, d)
+
+
+def t5_bucket(d, num_buckets=32, max_distance=128):
+    """T5's causal bucket of d >= 0: d below num_buckets // 2, then log-spaced to max_distance."""
+    d = d.clamp(min=0)
+    exact = num_buckets // 2
+    far = exact + (torch.log(d.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                   * (num_buckets - exact)).long()
+    return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
+
+
+def alibi_slopes(n_head):
+    """Press et al.'s slopes 2^(-8/n) .. 2^(-8) for n a power of two; else those of the power
+    of two below n, then every other one of twice as many heads, as in the paper's code."""
+    p = 2 ** int(math.log2(n_head))
+    slopes = [2 ** (-8 * (i + 1) / p) for i in range(p)]
+    return slopes + [2 ** (-8 * (i + 1) / (2 * p)) for i in range(0, 2 * p, 2)][:n_head - p]
+
+
+def position_bias(model, d, visible):
+    """Position hook 2 of 2 (RoFormer.position_bias) for shaw, t5 and alibi: the float32 bias
+    on the scores of distances d (Lq, Lk), (H or 1, Lq, Lk), -inf where not `visible`."""
+    c = model.config
+    if c.pos_encoding == "t5":  # (Lq, Lk, H) -> (H, Lq, Lk)
+        bias = model.rel_bias(t5_bucket(d, c.t5_buckets, c.t5_max_distance)).permute(2, 0, 1)
+    elif c.pos_encoding == "alibi":
+        slopes = torch.tensor(alibi_slopes(c.n_head), dtype=torch.float32, device=d.device)
+        bias = -slopes[:, None, None] * d.float()
+    else:  # shaw: zeros, to which each layer adds its query term (ShawKeys)
+        bias = torch.zeros(1, *d.shape, device=d.device)
+    return bias.float().masked_fill(~visible, float("-inf"))
