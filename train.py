@@ -341,10 +341,12 @@ stop_requested = signalled = False
 
 
 def on_signal(signum, frame):
-    # Finish the step in flight, save, exit 0. A second signal stops at once.
+    # Finish the step in flight, save, exit 0. A second Ctrl-C stops at once; a second SIGTERM
+    # does not, or it could kill the save (a launcher's death can deliver more than one).
     global stop_requested
     stop_requested = True
-    signal.signal(signum, signal.SIG_DFL)
+    if signum == signal.SIGINT:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 signal.signal(signal.SIGTERM, on_signal)

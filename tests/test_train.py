@@ -879,8 +879,10 @@ def test_killing_torchrun_stops_its_workers_and_the_resume_is_exact(data, tmp_pa
         for w in workers:
             if running(w):
                 os.kill(w, signal.SIGKILL)
+        tail = (launcher.stdout.read() + launcher.stderr.read())[-3000:]
         launcher.stdout.close()
         launcher.stderr.close()
+    assert os.path.exists(os.path.join(out, "ckpt.pt")), f"no checkpoint after the kill:\n{tail}"
     stopped = load(out)["iter_num"]
     assert stopped >= 3
     torchrun(2, *common, f"--out_dir={out}", f"--max_iters={stopped + 2}", "--init_from=resume")
