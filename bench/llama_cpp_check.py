@@ -23,10 +23,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
+from lib import checkpoint  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-import gguf_export  # noqa: E402
+from lib import gguf as gguf_export  # noqa: E402
 
 
 def llama_cpp_nats(llm, ids, window, stride):

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig, alibi_slopes, shaw_bias, t5_bucket  # noqa: E402
 from test_model import cached_logits  # noqa: E402
-from generate import generate  # noqa: E402
+from sample import generate  # noqa: E402
 
 RELATIVE = ["shaw", "t5", "alibi"]
 
