@@ -441,7 +441,7 @@ def check_gguf_path(path):
 
 
 # What train.py writes in a run folder (a folder with ckpt.pt): checkpoints and their temp, DCP
-# and moved-aside forms (runs.py), logs, wandb's folder.
+# and moved-aside forms (lib/run.py), logs, wandb's folder.
 RUN_FILES = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.*.pt", "ckpt-*.dcp", "ckpt-*.dcp.tmp", "log.jsonl",
              "log.*.jsonl", "wandb")
 

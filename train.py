@@ -7,7 +7,7 @@ Train a RoFormer language model. One script for a laptop CPU and for a GPU clust
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True  # sharded
 
 Configuration: the module-level variables below are the defaults; config files (plain Python)
-and then --key=value arguments override them (configurator.py). Every field of RoFormerConfig
+and then --key=value arguments override them (lib/common.py). Every field of RoFormerConfig
 is a key of its own.
 
 Determinism, which exact resume and DDP rest on: the batch of a micro-step is a pure function

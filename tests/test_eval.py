@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import eval as evalpy  # noqa: E402
 from data import common  # noqa: E402
+from lib.common import UserError  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 BLOCK = 64
@@ -102,10 +103,11 @@ def json_eval(capsys, *args):
 
 
 def one_line_error(fn, *args):
-    """The message of the sys.exit that fn(*args) must end in: one line, 'error: ...'."""
-    with pytest.raises(SystemExit) as e:
+    """The line fn(*args) must end in: one line, 'error: ...' (a script's main exits with it;
+    a library function raises the UserError that lib/common.py turns into it)."""
+    with pytest.raises((SystemExit, UserError)) as e:
         fn(*args)
-    msg = str(e.value.code)
+    msg = str(e.value.code) if isinstance(e.value, SystemExit) else f"error: {e.value}"
     assert msg.startswith("error: ") and "\n" not in msg, msg
     return msg
 
