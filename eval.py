@@ -127,8 +127,9 @@ def own_split(ckpt, split_name):
     except UserError as e:
         raise UserError(f"{e}; score text files with --input instead") from None
     if not ddir:
+        name = (ckpt.get("tokenizer") or {}).get("dataset")
         raise UserError(f"the run's dataset (val.bin, meta.json) is not found; pass --input "
-                 f"or prepare dataset '{(ckpt.get('tokenizer') or {}).get('dataset')}' again")
+                        f"or prepare dataset '{name}' again")
     ids = np.asarray(open_split(ddir, split_name, load_meta(ddir)))
     return ids, os.path.join(ddir, f"{split_name}.bin")
 
@@ -137,7 +138,7 @@ def parse_config(argv):
     cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv)
     if bool(cfg["input"]) == bool(cfg["split"]):
         raise UserError("pass either --input=FILE[,FILE...] (text files or folders) or "
-                 "--split=val")
+                        "--split=val")
     if cfg["split"] not in ("", "val", "train"):
         raise UserError(f"split must be val or train, got {cfg['split']!r}")
     if cfg["batch_size"] < 1 or cfg["stride"] < 0:
@@ -170,7 +171,7 @@ def main(argv):
     stride = cfg["stride"] or max(1, window // 2)
     if stride > window:
         raise UserError(f"stride {stride} is larger than the window {window}: tokens would be "
-                 f"skipped")
+                        f"skipped")
     eos = sp.eos_id()
     if eos < 0:
         raise UserError("the tokenizer has no end-of-document piece (eos_id) to start a text from")

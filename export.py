@@ -247,16 +247,17 @@ def sentencepiece_proto(sp):
         # segmentations (runs of spaces) differently from sentencepiece: other ids; llama.cpp's
         # sentencepiece tokenizer merges pairs the BPE way, so it would differ more
         raise UserError("only bpe and char sentencepiece tokenizers are exported (the default "
-                 "ones); a unigram tokenizer would give different ids on runs of spaces")
+                        "ones); a unigram tokenizer would give different ids on runs of spaces")
     custom = norm.name not in ("identity", "") or norm.add_dummy_prefix or \
         norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix
     if custom:  # data/tokenizer.py never trains these
         raise UserError(f"the tokenizer was trained with normalization {norm.name!r}, "
-                 f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
-                 f"{norm.remove_extra_whitespaces}; export handles identity/False/False only")
+                        f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
+                        f"{norm.remove_extra_whitespaces}; export handles identity/False/False "
+                        f"only")
     if not spec.byte_fallback:
         raise UserError("the tokenizer has no byte fallback; export reproduces byte-fallback "
-                 "tokenizers only (data/tokenizer.py always trains with it)")
+                        "tokenizers only (data/tokenizer.py always trains with it)")
     return m
 
 
@@ -357,7 +358,7 @@ def check_replaceable(path):
         other = sorted(set(os.listdir(path)) - set(HF_FILES) - {".model.safetensors.tmp"})
         if other:
             raise UserError(f"{path} holds files an export did not write ({', '.join(other[:3])}); "
-                     f"export replaces the whole folder, so pass an empty or new --hf_dir")
+                            f"export replaces the whole folder, so pass an empty or new --hf_dir")
 
 
 def write_folder(path, files, check=None):
@@ -428,7 +429,7 @@ def check_gguf_path(path):
     owner = run_file(path)
     if owner:
         raise UserError(f"--gguf={path} is a file of the run in {owner} (its checkpoints, logs and "
-                 f"their folders); write the GGUF file elsewhere, e.g. {owner}/model.gguf")
+                        f"their folders); write the GGUF file elsewhere, e.g. {owner}/model.gguf")
     if os.path.lexists(path):
         try:
             with open(path, "rb") as f:
@@ -437,7 +438,7 @@ def check_gguf_path(path):
             raise UserError(f"--gguf={path}: cannot read it ({e.strerror or e})")
         if magic != b"GGUF":
             raise UserError(f"--gguf={path} exists and is not a GGUF file; export replaces only "
-                     f"a GGUF file: remove it or give another path")
+                            f"a GGUF file: remove it or give another path")
 
 
 # What train.py writes in a run folder (a folder with ckpt.pt): checkpoints and their temp, DCP

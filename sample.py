@@ -283,7 +283,7 @@ def encode_prompt(sp, prompt_text):
     if sp.unk_id() in ids:  # byte fallback off (or no byte piece): refuse to guess
         unencodable = sorted({ch for ch in prompt_text if sp.unk_id() in sp.encode(ch)})
         raise UserError(f"the tokenizer cannot encode these prompt characters: "
-                 f"{''.join(unencodable)!r}")
+                        f"{''.join(unencodable)!r}")
     if not ids:
         # Every training document follows an end-of-document token, so that is the honest
         # "start of a document" context; BOS never occurs in the training data.

@@ -106,22 +106,24 @@ for key in ("beta1", "beta2", "muon_momentum"):
     if not 0 <= config[key] < 1:
         raise UserError(f"{key} must be in [0, 1), got {config[key]}")
 if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
-    raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the rate would rise "
-         f"while it decays; lower --min_lr as well")
+    raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
+                    f"rate would rise while it decays; lower --min_lr as well")
 if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
     raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
 if init_from not in ("scratch", "resume"):
     raise UserError(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 if warmup_iters > lr_decay_iters:
-    raise UserError(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters ({lr_decay_iters})")
+    raise UserError(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters "
+                    f"({lr_decay_iters})")
 if optimizer not in ("adamw", "muon"):
     raise UserError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
 if fsdp and optimizer == "muon":
-    raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) optimizer "
-         "state is supported for AdamW only; use DDP (fsdp=False) or optimizer=adamw")
+    raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
+                    "optimizer state is supported for AdamW only; use DDP (fsdp=False) or "
+                    "optimizer=adamw")
 if fsdp and int(os.environ.get("RANK", -1)) == -1:
-    raise UserError("fsdp=True shards the model over processes: run under torchrun (--nproc_per_node=1 "
-         "works too)")
+    raise UserError("fsdp=True shards the model over processes: run under torchrun "
+                    "(--nproc_per_node=1 works too)")
 
 # ----------------------------------------------------------------------------------------
 # processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype
@@ -336,8 +338,8 @@ if wandb_log and master:
     wandb_id = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
                           **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
 peak = run.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
-progress = run.Progress(start_iter, max_iters, tokens_per_iter, raw_model.flops_per_token(block_size),
-                        peak, world, master)
+progress = run.Progress(start_iter, max_iters, tokens_per_iter,
+                        raw_model.flops_per_token(block_size), peak, world, master)
 if master:
     run.start_log(log_path, resumed, start_iter)
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
@@ -368,8 +370,8 @@ while iter_num < max_iters:
         if mconf.dropout > 0:  # dropout, also a function of the step; the step's only
             # randomness, so without it no reseed (torch.manual_seed seeds every backend)
             torch.manual_seed(int(rng.integers(2 ** 62)))
-        # DDP syncs gradients on the last micro-step only
-        with parallel.grad_sync(model, micro == local_steps - 1) if ddp else contextlib.nullcontext():
+        last = micro == local_steps - 1  # DDP syncs gradients on the last micro-step only
+        with parallel.grad_sync(model, last) if ddp else contextlib.nullcontext():
             with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()

@@ -48,10 +48,10 @@ def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_toke
         raise UserError(f"val_tokens must be at least 1, not {val_tokens}")
     if vocab_size == 0 and model_type != "char":  # sentencepiece's own error is INTERNAL
         raise UserError("vocab_size must be at least 261 (0, sized by the characters seen, "
-                           "is for --model_type char only)")
+                        "is for --model_type char only)")
     if vocab_size and vocab_size < 261:
         raise UserError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
-                           f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
+                        f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
     if min_val_tokens < 1:
         raise UserError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
     if num_proc < 1:
@@ -212,8 +212,8 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
                    procs=procs, tokens=total)
     if (docs, nbytes) != (corpus["docs"], corpus["bytes"]):
         raise UserError(f"the corpus changed while it was being prepared ({corpus['docs']} "
-                           f"documents, {corpus['bytes']} bytes when scanned; {docs}, "
-                           f"{nbytes} when encoded)")
+                        f"documents, {corpus['bytes']} bytes when scanned; {docs}, "
+                        f"{nbytes} when encoded)")
 
     t0 = time.time()
     budget = split_budget(total, options["val_fraction"], options["val_tokens"],

@@ -48,11 +48,11 @@ def open_split(ddir, split, meta=None):
     want = meta.get(f"{split}_tokens")
     if want is not None and size != want * dtype.itemsize:
         raise UserError(f"{path} has {size:,} bytes but meta.json records {want:,} tokens of "
-                           f"{dtype.name} = {want * dtype.itemsize:,} bytes; the file is "
-                           f"truncated or from another dataset: prepare it again")
+                        f"{dtype.name} = {want * dtype.itemsize:,} bytes; the file is "
+                        f"truncated or from another dataset: prepare it again")
     if size % dtype.itemsize:
         raise UserError(f"{path} has {size:,} bytes, not a whole number of {dtype.name} "
-                           f"tokens; prepare it again")
+                        f"tokens; prepare it again")
     if size == 0:
         raise UserError(f"{path} is empty; prepare the dataset again")
     return np.memmap(path, dtype=dtype, mode="r")

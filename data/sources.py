@@ -141,7 +141,7 @@ def parquet_texts(path, fields):
     if field is None:
         wanted = " or ".join(repr(f) for f in fields)
         raise UserError(f"{path} has no column {wanted} (its columns: {', '.join(names)}); "
-                           f"pass --text_field")
+                        f"pass --text_field")
     ftype = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(ftype) or pa.types.is_large_string(ftype)):
         raise UserError(f"{path}: column {field!r} holds {ftype}, not strings")

@@ -93,13 +93,13 @@ def train_tokenizer(lines, vocab_size, model_type):
         m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
         if m:
             raise UserError(f"vocab_size {m.group(1)} is too small for this corpus: its "
-                               f"characters and the special and byte pieces need {m.group(2)}; "
-                               f"pass a larger --vocab_size")
+                            f"characters and the special and byte pieces need {m.group(2)}; "
+                            f"pass a larger --vocab_size")
         m = re.search(r"value <= (\d+)", msg)
         if "Vocabulary size" in msg:
             limit = f" (at most {m.group(1)} here)" if m else ""
             raise UserError(f"vocab_size {settings['vocab_size']} is too large for this "
-                               f"corpus{limit}; pass a smaller --vocab_size")
+                            f"corpus{limit}; pass a smaller --vocab_size")
         raise UserError(f"sentencepiece failed: {msg}")
     settings["user_defined_symbols"] = ["\\n"]  # readable in meta.json
     settings["trainer_threads"] = TRAINER_THREADS

@@ -29,7 +29,7 @@ def check_own_folder(out_dir):
         meta = None
     if not isinstance(meta, dict) or not all(k in meta for k in OWN_META_KEYS):
         raise UserError(f"{path} was not written by prepare; it would be replaced, so pass "
-                           f"another --out_dir (a new or empty folder, or one prepare made)")
+                        f"another --out_dir (a new or empty folder, or one prepare made)")
 
 
 def make_out_dir(out_dir):

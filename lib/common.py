@@ -155,7 +155,8 @@ SCALARS = (bool, int, float, str, type(None))
 
 def unknown_key(key, known):
     near = difflib.get_close_matches(key, known, n=1)
-    return UserError(f"unknown config key '{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return UserError(f"unknown config key '{key}'{hint}")
 
 
 def coerce(key, value, default):

@@ -67,12 +67,13 @@ def open_dataset(dataset, data_dir, master, ddp):
             built = subprocess.run([sys.executable, os.path.join(REPO, "data", dataset,
                                                                  "prepare.py")])
             if built.returncode:
-                raise UserError(f"python data/{dataset}/prepare.py failed (exit {built.returncode})")
+                raise UserError(f"python data/{dataset}/prepare.py failed (exit "
+                                f"{built.returncode})")
         barrier(ddp)
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
-        raise UserError(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); build it "
-             f"with: {prepare_command(dataset, data_dir)}")
+        raise UserError(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); "
+                        f"build it with: {prepare_command(dataset, data_dir)}")
     meta = load_meta(ddir)
     for split in ("train", "val"):
         open_split(ddir, split, meta)
@@ -95,7 +96,7 @@ def check_split_sizes(ddir, meta, block_size):
         tokens = len(open_split(ddir, split, meta))
         if tokens < block_size + 1:
             raise UserError(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
-                 f"{block_size + 1}; lower block_size or use more data")
+                            f"{block_size + 1}; lower block_size or use more data")
 
 
 # ----------------------------------------------------------------------------------------
@@ -204,11 +205,11 @@ def check_resume(ckpt, config, tokenizer, loop_keys, master):
               f"(model keys are taken from the checkpoint; the rest from this command)")
     saved_optimizer = ckpt["config"].get("optimizer", "adamw")  # older runs: AdamW
     if saved_optimizer != config["optimizer"]:
-        raise UserError(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume with "
-             f"--optimizer={saved_optimizer}")
+        raise UserError(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume "
+                        f"with --optimizer={saved_optimizer}")
     if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
         raise UserError(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
-             f"{tokenizer['path']}; resume with the same dataset")
+                        f"{tokenizer['path']}; resume with the same dataset")
 
 
 def move_aside(out_dir):

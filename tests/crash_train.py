@@ -6,7 +6,7 @@ import os
 import runpy
 import sys
 
-import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 at, rank = map(int, sys.argv[1].split(":"))
@@ -17,7 +17,7 @@ if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0 and int(os.environ[
         if len(steps) == at:
             os._exit(17)
         steps.append(1)
-    torch.optim.optimizer.register_optimizer_step_pre_hook(crash)
+    register_optimizer_step_pre_hook(crash)
 sys.argv = [os.path.join(ROOT, "train.py")] + sys.argv[2:]
 sys.path.insert(0, ROOT)
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -36,7 +36,7 @@ def download(path, timeout):
             os.remove(tmp)
         reason = getattr(e, "reason", e)
         raise UserError(f"could not download tiny Shakespeare ({reason}); "
-                           f"pass --input PATH with a local copy of it")
+                        f"pass --input PATH with a local copy of it")
 
 
 def main(argv=None):
