@@ -40,12 +40,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, dataset_dir, describe, load_run, pick_device
-from configurator import ConfigError, configure
-from data.dataset import DatasetError, load_meta, open_split
+from data.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
-from data.shared import PrepareError, tqdm
+from data.shared import tqdm
 from data.sources import file_sources, find_files
+from lib.checkpoint import dataset_dir, describe, load_run
+from lib.common import UserError, cli, configure, pick_device
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -111,7 +111,7 @@ def read_inputs(paths, field_spec):
     are measured against: (texts, bytes, a short description of the input)."""
     sources = file_sources(find_files(paths))
     if not sources:
-        raise PrepareError(f"no files found in {','.join(paths)}")
+        raise UserError(f"no files found in {','.join(paths)}")
     texts = [text for _, text in whole_documents(sources, text_fields(field_spec))]
     # The bytes of the scored text only: not the separators, nor the JSON or parquet around
     # a record (see the docstring at the top).
@@ -124,30 +124,25 @@ def own_split(ckpt, split_name):
     """The run's own val.bin or train.bin, read through data/dataset.py's checks."""
     try:
         ddir = dataset_dir(ckpt)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}; score text files with --input instead")
+    except UserError as e:
+        raise UserError(f"{e}; score text files with --input instead") from None
     if not ddir:
-        sys.exit(f"error: the run's dataset (val.bin, meta.json) is not found; pass --input "
-                 f"or prepare dataset '{(ckpt.get('tokenizer') or {}).get('dataset')}' again")
-    try:
-        ids = np.asarray(open_split(ddir, split_name, load_meta(ddir)))
-    except DatasetError as e:
-        sys.exit(f"error: {e}")
+        name = (ckpt.get("tokenizer") or {}).get("dataset")
+        raise UserError(f"the run's dataset (val.bin, meta.json) is not found; pass --input "
+                        f"or prepare dataset '{name}' again")
+    ids = np.asarray(open_split(ddir, split_name, load_meta(ddir)))
     return ids, os.path.join(ddir, f"{split_name}.bin")
 
 
 def parse_config(argv):
-    try:
-        cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv)
     if bool(cfg["input"]) == bool(cfg["split"]):
-        sys.exit("error: pass either --input=FILE[,FILE...] (text files or folders) or "
-                 "--split=val")
+        raise UserError("pass either --input=FILE[,FILE...] (text files or folders) or "
+                        "--split=val")
     if cfg["split"] not in ("", "val", "train"):
-        sys.exit(f"error: split must be val or train, got {cfg['split']!r}")
+        raise UserError(f"split must be val or train, got {cfg['split']!r}")
     if cfg["batch_size"] < 1 or cfg["stride"] < 0:
-        sys.exit("error: batch_size must be >= 1 and stride >= 0 (0: half the window)")
+        raise UserError("batch_size must be >= 1 and stride >= 0 (0: half the window)")
     return cfg
 
 
@@ -160,6 +155,7 @@ def report(result, seconds):
           f"{result['perplexity']:.2f} | {result['bits_per_byte']:.4f} bits/byte")
 
 
+@cli
 def main(argv):
     cfg = parse_config(argv)
     dev, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
@@ -167,20 +163,18 @@ def main(argv):
         try:
             texts, nbytes, source = read_inputs([p for p in cfg["input"].split(",") if p],
                                                 cfg["text_field"])
-        except PrepareError as e:
-            sys.exit(f"error: {e}")
         except OSError as e:
-            sys.exit(f"error: cannot read {e.filename}: {e.strerror}")
+            raise UserError(f"cannot read {e.filename}: {e.strerror}") from None
     model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
                                cfg["rope_scaling"], cfg["rope_factor"])
     window = model.config.context_window
     stride = cfg["stride"] or max(1, window // 2)
     if stride > window:
-        sys.exit(f"error: stride {stride} is larger than the window {window}: tokens would be "
-                 f"skipped")
+        raise UserError(f"stride {stride} is larger than the window {window}: tokens would be "
+                        f"skipped")
     eos = sp.eos_id()
     if eos < 0:
-        sys.exit("error: the tokenizer has no end-of-document piece (eos_id) to start a text from")
+        raise UserError("the tokenizer has no end-of-document piece (eos_id) to start a text from")
     if not cfg["json"]:
         print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
 
@@ -192,7 +186,7 @@ def main(argv):
     else:
         seqs = [np.array([eos] + sp.encode(t), dtype=np.int64) for t in texts]
     if sum(len(s) - 1 for s in seqs) == 0:
-        sys.exit("error: the input is empty: no tokens to score")
+        raise UserError("the input is empty: no tokens to score")
 
     t0 = time.perf_counter()
     nats, count = score(model, seqs, stride, cfg["batch_size"])
@@ -209,7 +203,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except KeyboardInterrupt:
-        sys.exit(130)
+    main(sys.argv[1:])

@@ -2,7 +2,7 @@
 Export a trained run as a Hugging Face model folder that transformers loads with no custom
 code: GPTNeoXForCausalLM is exactly this model (pre-LayerNorm blocks, exact GELU MLP, RoPE in
 the rotate-half layout on the whole head, sequential residual). Or, with --gguf, as one GGUF
-file that llama.cpp, ollama and LM Studio run (gguf_export.py).
+file that llama.cpp, ollama and LM Studio run (lib/gguf.py).
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
@@ -23,15 +23,14 @@ import fnmatch
 import importlib
 import json
 import os
-import shutil
 import sys
 
 import torch
 import torch.nn as nn
 
-from checkpoint import CheckpointError, dataset_dir, fsync_dir, load_run
-from configurator import ConfigError, configure
-from data.dataset import DatasetError, open_split
+from data.dataset import open_split
+from lib.checkpoint import dataset_dir, load_run
+from lib.common import UserError, atomic_write, cli, configure
 from model import ntk_base
 
 # -----------------------------------------------------------------------------------------
@@ -54,7 +53,7 @@ def need(module, package=None):
         return importlib.import_module(module)
     except ImportError:
         package = package or module.split(".")[0]
-        sys.exit(f"error: export.py needs the '{package}' package: pip install {package}")
+        raise UserError(f"export.py needs the '{package}' package: pip install {package}") from None
 
 
 # The exports' allow-list: every RoFormerConfig field with the values both exports map
@@ -247,17 +246,18 @@ def sentencepiece_proto(sp):
         # unigram: tried, and `tokenizers`' Viterbi breaks ties between equal-score
         # segmentations (runs of spaces) differently from sentencepiece: other ids; llama.cpp's
         # sentencepiece tokenizer merges pairs the BPE way, so it would differ more
-        sys.exit("error: only bpe and char sentencepiece tokenizers are exported (the default "
-                 "ones); a unigram tokenizer would give different ids on runs of spaces")
+        raise UserError("only bpe and char sentencepiece tokenizers are exported (the default "
+                        "ones); a unigram tokenizer would give different ids on runs of spaces")
     custom = norm.name not in ("identity", "") or norm.add_dummy_prefix or \
         norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix
     if custom:  # data/tokenizer.py never trains these
-        sys.exit(f"error: the tokenizer was trained with normalization {norm.name!r}, "
-                 f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
-                 f"{norm.remove_extra_whitespaces}; export handles identity/False/False only")
+        raise UserError(f"the tokenizer was trained with normalization {norm.name!r}, "
+                        f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
+                        f"{norm.remove_extra_whitespaces}; export handles identity/False/False "
+                        f"only")
     if not spec.byte_fallback:
-        sys.exit("error: the tokenizer has no byte fallback; export reproduces byte-fallback "
-                 "tokenizers only (data/tokenizer.py always trains with it)")
+        raise UserError("the tokenizer has no byte fallback; export reproduces byte-fallback "
+                        "tokenizers only (data/tokenizer.py always trains with it)")
     return m
 
 
@@ -342,15 +342,10 @@ def validation_text(ckpt, sp, max_tokens=20000):
     dataset is not found)."""
     try:
         ddir = dataset_dir(ckpt)
-    except CheckpointError as e:  # checking the tokenizer on another corpus's ids would fail
-        sys.exit(f"error: {e}; the export check tokenizes the run's validation text "
-                 f"(--check=False exports without checking)")
-    if not ddir:
-        return ""
-    try:
-        return sp.decode(open_split(ddir, "val")[:max_tokens].tolist())
-    except DatasetError as e:
-        sys.exit(f"error: {e}")
+    except UserError as e:  # checking the tokenizer on another corpus's ids would fail
+        raise UserError(f"{e}; the export check tokenizes the run's validation text "
+                        f"(--check=False exports without checking)") from None
+    return sp.decode(open_split(ddir, "val")[:max_tokens].tolist()) if ddir else ""
 
 
 # --- writing -----------------------------------------------------------------------------
@@ -358,49 +353,29 @@ def validation_text(ckpt, sp, max_tokens=20000):
 def check_replaceable(path):
     """Refuse before writing anything when `path` holds something export would destroy."""
     if os.path.exists(path) and not os.path.isdir(path):
-        sys.exit(f"error: {path} exists and is not a folder")
+        raise UserError(f"{path} exists and is not a folder")
     if os.path.isdir(path):
         other = sorted(set(os.listdir(path)) - set(HF_FILES) - {".model.safetensors.tmp"})
         if other:
-            sys.exit(f"error: {path} holds files an export did not write ({', '.join(other[:3])}); "
-                     f"export replaces the whole folder, so pass an empty or new --hf_dir")
+            raise UserError(f"{path} holds files an export did not write ({', '.join(other[:3])}); "
+                            f"export replaces the whole folder, so pass an empty or new --hf_dir")
 
 
 def write_folder(path, files, check=None):
-    """files {name: bytes} -> the folder `path`. Written into a temp folder next to it, each file
-    and the folder synced, checked there (check(folder) -> a reason it is wrong, or None), then
-    renamed into place: a failure at any point (a full disk, a failed check) leaves no folder
-    that looks complete, and the previous export, if any, as it was."""
-    parent = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    problem = None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        for leftover in (tmp, tmp + ".old"):  # from a killed export that had this pid
-            shutil.rmtree(leftover, ignore_errors=True)
+    """files {name: bytes} -> the folder `path`, atomically (lib/common.atomic_write): checked
+    there first (check(folder) -> a reason it is wrong, or None), so a failure at any point (a
+    full disk, a failed check) leaves the previous export, if any, as it was."""
+    def write(tmp):
         os.mkdir(tmp)
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        problem = check(tmp) if check else None
-        if problem is None and os.path.isdir(path):  # the previous export goes only now
-            os.rename(path, tmp + ".old")
-            os.rename(tmp, path)
-            shutil.rmtree(tmp + ".old", ignore_errors=True)
-        elif problem is None:
-            os.rename(tmp, path)
-        fsync_dir(parent)
+    try:
+        problem = atomic_write(path, write, check)
     except OSError as e:
-        if os.path.isdir(tmp + ".old") and not os.path.exists(path):
-            os.rename(tmp + ".old", path)
         problem = f"cannot write {path}: {e.strerror or e}"
-    finally:  # whatever happened, a temp folder is never left behind
-        shutil.rmtree(tmp, ignore_errors=True)
     if problem:
-        sys.exit(f"error: {problem}")
+        raise UserError(problem)
 
 
 def hf_files(model, sp, dtype):
@@ -450,24 +425,24 @@ def check_gguf_path(path):
     something: a folder, an existing file that is not a GGUF file (its first 4 bytes are
     b"GGUF"), or a file that a training run owns (see run_file), even one not there yet."""
     if os.path.isdir(path):
-        sys.exit(f"error: --gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
+        raise UserError(f"--gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
     owner = run_file(path)
     if owner:
-        sys.exit(f"error: --gguf={path} is a file of the run in {owner} (its checkpoints, logs and "
-                 f"their folders); write the GGUF file elsewhere, e.g. {owner}/model.gguf")
+        raise UserError(f"--gguf={path} is a file of the run in {owner} (its checkpoints, logs and "
+                        f"their folders); write the GGUF file elsewhere, e.g. {owner}/model.gguf")
     if os.path.lexists(path):
         try:
             with open(path, "rb") as f:
                 magic = f.read(4)
         except OSError as e:
-            sys.exit(f"error: --gguf={path}: cannot read it ({e.strerror or e})")
+            raise UserError(f"--gguf={path}: cannot read it ({e.strerror or e})")
         if magic != b"GGUF":
-            sys.exit(f"error: --gguf={path} exists and is not a GGUF file; export replaces only "
-                     f"a GGUF file: remove it or give another path")
+            raise UserError(f"--gguf={path} exists and is not a GGUF file; export replaces only "
+                            f"a GGUF file: remove it or give another path")
 
 
 # What train.py writes in a run folder (a folder with ckpt.pt): checkpoints and their temp, DCP
-# and moved-aside forms (runs.py), logs, wandb's folder.
+# and moved-aside forms (lib/run.py), logs, wandb's folder.
 RUN_FILES = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.*.pt", "ckpt-*.dcp", "ckpt-*.dcp.tmp", "log.jsonl",
              "log.*.jsonl", "wandb")
 
@@ -491,43 +466,34 @@ def export_gguf(cfg, model, sp, proto, text):
     checked key by key and tensor by tensor, where llama-cpp-python is installed run by
     llama.cpp and compared with our model, and only then renamed into place: a failure or a
     failed check leaves no file and the previous one, if any, as it was."""
-    import gguf_export  # only here: it imports the optional gguf package
+    from lib import gguf  # only here: it imports the optional gguf package
     path, kind = cfg["gguf"], cfg["gguf_type"]
     name = os.path.basename(os.path.abspath(cfg["out_dir"]))
-    metadata = gguf_export.gguf_metadata(model.config, sp, proto, kind, name)
-    tensors = gguf_export.gguf_tensors(model, kind)
-    parent = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    problem = None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        gguf_export.write_gguf(tmp, metadata, tensors)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        problems = gguf_export.verify_gguf(tmp, metadata, tensors)
+    metadata = gguf.gguf_metadata(model.config, sp, proto, kind, name)
+    tensors = gguf.gguf_tensors(model, kind)
+
+    def check(tmp):
+        problems = gguf.verify_gguf(tmp, metadata, tensors)
         if problems:
-            problem = f"cannot write {path}: the file read back differs from what was written: " \
-                      f"{problems[0]}"
-        elif cfg["check"] and not gguf_export.check_with_llama_cpp(tmp, model, sp, text):
-            problem = ("llama.cpp's tokenizer or logits do not match this run (see the check "
-                       "line above); nothing was written")
-        else:
-            os.replace(tmp, path)
-            fsync_dir(parent)
+            return f"cannot write {path}: the file read back differs from what was written: " \
+                   f"{problems[0]}"
+        if cfg["check"] and not gguf.check_with_llama_cpp(tmp, model, sp, text):
+            return ("llama.cpp's tokenizer or logits do not match this run (see the check line "
+                    "above); nothing was written")
+        return None
+    try:
+        problem = atomic_write(path, lambda tmp: gguf.write_gguf(tmp, metadata, tensors), check)
     except (OSError, ValueError) as e:
         reason = getattr(e, "strerror", None) or (f"{e} (a short write: is the disk full?)"
                                                    if isinstance(e, OSError) else e)
         problem = f"cannot write {path}: {reason}"
-    finally:  # whatever happened, the temp file is never left behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
     if problem:
-        sys.exit(f"error: {problem}")
+        raise UserError(problem)
     kept_f16 = sum(t[1].name == "F16" for t in tensors.values()) if kind == "q8_0" else 0
-    print(f"wrote {path}: gguf {gguf_export.ARCH}, {model.num_params() / 1e6:.2f}M params ({kind}"
+    print(f"wrote {path}: gguf {gguf.ARCH}, {model.num_params() / 1e6:.2f}M params ({kind}"
           f"{f', {kept_f16} tensors f16 (rows not a multiple of 32)' if kept_f16 else ''}, "
           f"{os.path.getsize(path) / 1e6:.1f} MB), rope freq_base "
-          f"{metadata[f'{gguf_export.ARCH}.rope.freq_base'][0]:g}, tokenizer "
+          f"{metadata[f'{gguf.ARCH}.rope.freq_base'][0]:g}, tokenizer "
           f"{sp.get_piece_size()} pieces (llama.cpp SPM), eos {sp.id_to_piece(sp.eos_id())!r}; "
           f"read back: {len(metadata)} keys and {len(tensors)} tensors as written", file=sys.stderr)
 
@@ -535,14 +501,11 @@ def export_gguf(cfg, model, sp, proto, text):
 def parse_args(argv):
     """The settings and the packages they need, checked before anything loads."""
     names = ("out_dir", "hf_dir", "dtype", "tokenizer", "check", "gguf", "gguf_type")
-    try:
-        cfg = configure({k: globals()[k] for k in names}, argv)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    cfg = configure({k: globals()[k] for k in names}, argv)
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
-        sys.exit(f"error: dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
+        raise UserError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
     if cfg["gguf_type"] not in GGUF_TYPES:
-        sys.exit(f"error: gguf_type must be f32, f16 or q8_0, got {cfg['gguf_type']!r}")
+        raise UserError(f"gguf_type must be f32, f16 or q8_0, got {cfg['gguf_type']!r}")
     need("sentencepiece.sentencepiece_model_pb2", "protobuf")  # both read the tokenizer's pieces
     if cfg["gguf"]:
         need("gguf")
@@ -555,15 +518,16 @@ def parse_args(argv):
     return cfg
 
 
+@cli
 def main(argv):
     cfg = parse_args(argv)
     # float32 on the CPU: export copies the exact weights, it computes nothing
     model, sp, ckpt = load_run(cfg["out_dir"], torch.device("cpu"), "float32", cfg["tokenizer"])
     why = refusal(model, "gguf" if cfg["gguf"] else "hf")
     if why:
-        sys.exit(f"error: cannot export {cfg['out_dir']}: {why}")
+        raise UserError(f"cannot export {cfg['out_dir']}: {why}")
     if sp.eos_id() < 0:
-        sys.exit("error: the tokenizer has no end-of-document piece (eos_id); export needs one")
+        raise UserError("the tokenizer has no end-of-document piece (eos_id); export needs one")
     proto = sentencepiece_proto(sp)  # before anything is written: it may refuse too
     text = validation_text(ckpt, sp) if cfg["check"] else ""
     if cfg["gguf"]:

@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19);
 4. decoding caches; 5. the transformer, whose position hooks reach the ablations' baselines
-(lib/baselines.py, imported only when pos_encoding is not "rope"). Decoding: generate.py."""
+(lib/baselines.py, imported only when pos_encoding is not "rope"). Decoding: sample.py."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -74,7 +74,7 @@ class RoFormerConfig:
 
 @torch.no_grad()
 def init_parameter(name, p, n_layer, generator=None):
-    """The one init rule, by name (RoFormer and parallel.py's meta-device build use it): matrices
+    """The one init rule, by name (RoFormer and lib/checkpoint.py's meta-device build use it): matrices
     normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so the residual
     stream's variance does not grow with depth; norm weights 1, biases 0."""
     if name.endswith("bias"):
@@ -171,7 +171,7 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
 
 
-# 4. Decoding caches (generate.py gets them from RoFormer.new_cache and passes them in)
+# 4. Decoding caches (sample.py gets them from RoFormer.new_cache and passes them in)
 class KVCache:
     """Per layer the keys and values of `size` positions in preallocated slots used as a ring
     (position p in slot p % size), and the position each slot holds (-1: empty). Past the
@@ -353,7 +353,7 @@ class RoFormer(nn.Module):
         from lib import baselines
         return baselines.position_bias(self, d, visible)
 
-    def new_cache(self, total_len, device):  # for generate.py, which passes it to forward
+    def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
         c = self.config
         if c.attention == "linear":
             return RecurrentState(c.n_layer)

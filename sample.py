@@ -1,10 +1,16 @@
 """
-Sample text from a trained checkpoint, streamed to stdout as it is generated.
+Sample text from a trained checkpoint, streamed to stdout as it is generated; and the decoding
+every script uses (eval.py, bench/ and the tests import it from here): prefill the prompt into
+the cache, then one token per step against it (eager, or one static compiled graph), a sliding
+window past the context window, and sampling.
 
     python sample.py --out_dir=out-small
     python sample.py --out_dir=out-small --start="def main(" --num_samples=4 --max_new_tokens=200
     python sample.py --out_dir=out-small --start=FILE:prompt.txt --temperature=0
     python sample.py --out_dir=out-small --rope_scaling=ntk --rope_factor=4 --max_new_tokens=2000
+
+    from sample import generate
+    out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
 
 Text goes to stdout, everything else (checkpoint summary, speed) to stderr, so
 `python sample.py ... > out.txt` keeps only the text. Same override style as train.py:
@@ -16,10 +22,159 @@ import time
 
 import torch
 
-from checkpoint import describe, load_run, pick_device
-from configurator import ConfigError, configure
-import generate
+from lib.checkpoint import describe, load_run
+from lib.common import UserError, cli, configure, pick_device
+from model import RecurrentState
 
+# -----------------------------------------------------------------------------------------
+# decoding
+
+def check_sampling(temperature=1.0, top_k=None, top_p=None, vocab_limit=None):
+    """Raise ValueError (one line) for sampling settings that cannot work."""
+    if vocab_limit is not None and vocab_limit < 1:
+        raise ValueError(f"vocab_limit must be >= 1 (None: every id), got {vocab_limit}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None: off), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
+
+
+# Temperatures in (0, GREEDY_BELOW) decode greedily. Dividing float32 logits by a temperature
+# near 1e-38 or below overflows them to inf (1e-45 gave NaN probabilities and a traceback);
+# and already at 1e-6 the only tokens with a probability above 1e-10 are those within 2.3e-5 of
+# the largest logit, a few float32 rounding steps for logits of size 10-100: greedy is the same
+# distribution up to that rounding, and the limit of sampling as the temperature goes to 0.
+GREEDY_BELOW = 1e-6
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None,
+                vocab_limit=None):
+    """(B, V) logits -> (B, 1) tokens. temperature 0 is greedy; top_k keeps the k likeliest
+    tokens; top_p keeps the smallest set whose probability reaches p. vocab_limit: only ids
+    below it are ever drawn (a model whose vocab_size was padded past its tokenizer's pieces
+    has rows no piece decodes)."""
+    if vocab_limit is not None:  # ids are a prefix, so the slice keeps every id as it is
+        logits = logits[:, :vocab_limit]
+    if temperature < GREEDY_BELOW:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already >= p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+
+def check_request(model, idx, max_new_tokens, use_cache, compile):
+    """Raise ValueError (one line) for a generate call that cannot run on this model."""
+    if idx.size(1) == 0:
+        raise ValueError("generate needs at least one prompt token")
+    if compile and not use_cache:
+        raise ValueError("compile=True compiles the cached decode step; it needs use_cache=True")
+    bs = model.config.block_size
+    # the last sampled token is never fed back, so its position needs no embedding
+    if use_cache and model.config.pos_encoding == "learned" and \
+            idx.size(1) + max_new_tokens - 1 > bs:
+        raise ValueError(f"learned positions end at block_size={bs}; a {idx.size(1)}-token "
+                         f"prompt and {max_new_tokens} new tokens need use_cache=False")
+
+
+def prefill(model, idx, cache, chunk):
+    """Run the prompt into the cache in chunks of `chunk` tokens (the cache size), so a long
+    prompt costs memory linear in its length; return the last position's (B, V) logits."""
+    for start in range(0, idx.size(1), chunk):
+        logits = model(idx[:, start:start + chunk], cache=cache, start_pos=start)[0]
+    return logits[:, -1]
+
+
+def one_token_step(model, cache, compile, device):
+    """The function called per token once the prefill has allocated every cache tensor:
+    (B, 1) tokens and a (1,) position tensor -> (B, V) logits. Eager, the model's forward;
+    compiled, the same forward traced once into a static graph (the position is data, the
+    cache preallocated), with CUDA graphs on CUDA."""
+    if not compile:
+        return lambda tok, pos: model(tok, cache=cache, start_pos=pos)[0][:, -1]
+    cuda = torch.device(device).type == "cuda"
+    if cuda:  # CUDA graphs replay fixed addresses: the caches are written in place
+        held = [t for pair in cache.state for t in pair] if isinstance(cache, RecurrentState) \
+            else [cache.slot_pos] + cache.keys + cache.values
+        for t in held:
+            torch._dynamo.mark_static_address(t)
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                            mode="reduce-overhead" if cuda else None)
+
+    def step(tok, pos):
+        if cuda:  # a new replay: the last step's logits (already sampled from) may go
+            torch.compiler.cudagraph_mark_step_begin()
+        return forward(tok, cache=cache, start_pos=pos)[0][:, -1]
+    return step
+
+
+@torch.no_grad()
+def cached_tokens(model, idx, max_new_tokens, sampling, generator, compile):
+    """Prefill, then one cached step per token; the position stays on the device, so the
+    host never waits for a step to finish."""
+    total = idx.size(1) + max_new_tokens
+    cache = model.new_cache(total, idx.device)
+    logits = prefill(model, idx, cache, min(total, model.config.context_window))
+    model.pos_tables(total, idx.device)  # the step gathers table entries: they must exist now
+    step = one_token_step(model, cache, compile, idx.device)
+    pos = torch.full((1,), idx.size(1), dtype=torch.long, device=idx.device)
+    for i in range(max_new_tokens):
+        token = sample_next(logits, **sampling, generator=generator)
+        yield token
+        if i + 1 < max_new_tokens:
+            logits = step(token, pos)
+            pos += 1
+
+
+@torch.no_grad()
+def uncached_tokens(model, idx, max_new_tokens, sampling, generator):
+    """The reference loop (nanoGPT's): each step reruns the model from scratch on the last
+    context_window tokens."""
+    seq, window = idx, model.config.context_window
+    for _ in range(max_new_tokens):
+        token = sample_next(model(seq[:, -window:])[0][:, -1], **sampling, generator=generator)
+        yield token
+        seq = torch.cat((seq, token), dim=1)
+
+
+def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                    use_cache=True, generator=None, compile=False, vocab_limit=None):
+    """Yield the next (B, 1) tokens one at a time (arguments are checked now, not at the
+    first token).
+
+    use_cache=True: prefill the prompt, then one token per step against the cache (a
+    rolling window of context_window keys for softmax, the recurrent state for linear
+    attention). use_cache=False: the reference loop, recomputing the last context_window
+    tokens per step. compile=True (cached only): the one-token step runs as one static
+    compiled graph. Sampling stays outside it, so eager and compiled draw the same tokens
+    whenever their logits agree. vocab_limit: never draw an id >= it (the tokenizer's piece
+    count, where the model's vocab_size is padded past it)."""
+    check_sampling(temperature, top_k, top_p, vocab_limit)
+    check_request(model, idx, max_new_tokens, use_cache, compile)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
+    if use_cache:
+        return cached_tokens(model, idx, max_new_tokens, sampling, generator, compile)
+    return uncached_tokens(model, idx, max_new_tokens, sampling, generator)
+
+
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+             use_cache=True, generator=None, compile=False, vocab_limit=None):
+    """Return idx followed by max_new_tokens sampled tokens, (B, T + new)."""
+    new = list(generate_stream(model, idx, max_new_tokens, temperature, top_k, top_p,
+                               use_cache, generator, compile, vocab_limit))
+    return torch.cat([idx] + new, dim=1)
+
+
+# -----------------------------------------------------------------------------------------
+# the command line
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
 start = "\n"            # the prompt; "FILE:path" reads it from a file; "" starts a fresh document
@@ -93,19 +248,19 @@ def parse_args(argv):
     names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
              "seed", "device", "dtype", "use_cache", "compile", "stop_at_eos", "rope_scaling",
              "rope_factor", "tokenizer")
+    cfg = configure({k: globals()[k] for k in names}, argv)
     try:
-        cfg = configure({k: globals()[k] for k in names}, argv)
-        generate.check_sampling(cfg["temperature"], cfg["top_k"] or None, cfg["top_p"])
-    except (ConfigError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        check_sampling(cfg["temperature"], cfg["top_k"] or None, cfg["top_p"])
+    except ValueError as e:
+        raise UserError(e) from None
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
-        sys.exit("error: num_samples and max_new_tokens must be >= 1")
+        raise UserError("num_samples and max_new_tokens must be >= 1")
     if not 0 <= cfg["seed"] < 2 ** 64:  # what torch.Generator.manual_seed takes
-        sys.exit(f"error: seed must be in [0, 2**64 - 1], got {cfg['seed']}")
+        raise UserError(f"seed must be in [0, 2**64 - 1], got {cfg['seed']}")
     if str(cfg["compile"]).lower() not in ("auto", "true", "false"):
-        sys.exit(f"error: compile must be True, False or auto, got {cfg['compile']!r}")
+        raise UserError(f"compile must be True, False or auto, got {cfg['compile']!r}")
     if str(cfg["compile"]).lower() == "true" and not cfg["use_cache"]:
-        sys.exit("error: --compile=True compiles the cached decode step; drop --use_cache=False")
+        raise UserError("--compile=True compiles the cached decode step; drop --use_cache=False")
     return cfg
 
 
@@ -119,7 +274,7 @@ def read_prompt(start_arg):
         with open(path, encoding="utf-8", newline="") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: cannot read the prompt file {path}: {e}")
+        raise UserError(f"cannot read the prompt file {path}: {e}")
 
 
 def encode_prompt(sp, prompt_text):
@@ -127,8 +282,8 @@ def encode_prompt(sp, prompt_text):
     ids = sp.encode(prompt_text)
     if sp.unk_id() in ids:  # byte fallback off (or no byte piece): refuse to guess
         unencodable = sorted({ch for ch in prompt_text if sp.unk_id() in sp.encode(ch)})
-        sys.exit(f"error: the tokenizer cannot encode these prompt characters: "
-                 f"{''.join(unencodable)!r}")
+        raise UserError(f"the tokenizer cannot encode these prompt characters: "
+                        f"{''.join(unencodable)!r}")
     if not ids:
         # Every training document follows an end-of-document token, so that is the honest
         # "start of a document" context; BOS never occurs in the training data.
@@ -153,7 +308,7 @@ def stream_samples(model, sp, prompt_ids, cfg, device, compiled):
     finished = [False] * num_samples
     steps, t_first = 0, None
     try:
-        for next_tokens in generate.generate_stream(model, prompt, cfg["max_new_tokens"],
+        for next_tokens in generate_stream(model, prompt, cfg["max_new_tokens"],
                                                     temperature=cfg["temperature"],
                                                     top_k=cfg["top_k"] or None,
                                                     top_p=cfg["top_p"],
@@ -175,7 +330,7 @@ def stream_samples(model, sp, prompt_ids, cfg, device, compiled):
             if all(finished):
                 break
     except ValueError as e:  # e.g. learned positions asked to run past their table
-        sys.exit(f"error: {e}")
+        raise UserError(e) from None
     return streams, steps, t_first, time.perf_counter()
 
 
@@ -199,6 +354,7 @@ def speed_line(n_prompt, num_samples, steps, t0, t_first, t_end, use_cache, comp
                   f"compile {'on (compiling is in the decode time)' if compiled else 'off'}"
 
 
+@cli
 def main(argv):
     cfg = parse_args(argv)
     device, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
@@ -222,5 +378,3 @@ if __name__ == "__main__":
         # The reader went away (`| head`): stop generating, and point stdout at /dev/null so
         # the interpreter's final flush does not print a second BrokenPipeError.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except KeyboardInterrupt:
-        sys.exit(130)

@@ -7,7 +7,7 @@ Train a RoFormer language model. One script for a laptop CPU and for a GPU clust
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True  # sharded
 
 Configuration: the module-level variables below are the defaults; config files (plain Python)
-and then --key=value arguments override them (configurator.py). Every field of RoFormerConfig
+and then --key=value arguments override them (lib/common.py). Every field of RoFormerConfig
 is a key of its own.
 
 Determinism, which exact resume and DDP rest on: the batch of a micro-step is a pure function
@@ -17,30 +17,28 @@ the same way. So a resumed run replays exactly the batches an unbroken run would
 N ranks see the batches of one process, and evaluation (its own fixed generator) never
 disturbs training.
 
-Where things live: runs.py (run ids, restarts, out_dir, the dataset folder, the CPU peak),
-checkpoint.py (every checkpoint file, the device/dtype resolver), parallel.py (DDP / FSDP2),
-optim.py (the optimizer), model.py (the model).
+Where things live: model.py (the model); lib/run.py (run ids, restarts, out_dir, the dataset
+folder, log.jsonl, progress, signals, MFU's peak), lib/checkpoint.py (building the model, the
+AdamW optimizer, every checkpoint file), lib/common.py (the config parser, the device/dtype
+resolver, the one-line errors); only when used: lib/parallel.py (torchrun: DDP / FSDP2),
+lib/optim.py (optimizer=muon).
 """
 import contextlib
 import dataclasses
 import math
 import os
-import signal
 import sys
 import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-import checkpoint
-import parallel
-import runs
-from configurator import ConfigError, configure, gpu_peak_flops
 from data.dataset import open_split
+from lib import checkpoint, common, run
+from lib.common import UserError, configure
 from model import RoFormerConfig
-from optim import build_optimizer
-from runs import fail
+
+sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`, exit 1
 
 # ----------------------------------------------------------------------------------------
 # defaults
@@ -62,7 +60,7 @@ gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL proc
 # model: every field of RoFormerConfig with its default (model.py says what each one does)
 globals().update(dataclasses.asdict(RoFormerConfig()))
 vocab_size = 0               # 0: take it from the dataset's meta.json
-# optimizer (optim.py): AdamW, or Muon for the hidden matrices with AdamW for the rest
+# optimizer: AdamW, or Muon (lib/optim.py) for the hidden matrices with AdamW for the rest
 optimizer = "adamw"          # "adamw" | "muon"
 muon_lr = 0.02
 muon_momentum = 0.95
@@ -81,7 +79,7 @@ device = "auto"              # "auto" | "cpu" | "cuda" | "cuda:1" | "mps"
 dtype = "auto"               # "auto" | "float32" | "bfloat16" | "float16"
 compile = True               # torch.compile the model (--compile=False always works)
 seed = 1337
-# under torchrun: shard weights, gradients and optimizer over the ranks with FSDP2 (parallel.py)
+# under torchrun: shard weights, gradients and optimizer over the ranks with FSDP2
 fsdp = False
 activation_checkpointing = False  # recompute each block's activations in backward: less memory
 
@@ -93,40 +91,39 @@ LOOP_KEYS = {"max_iters", "eval_interval", "eval_iters", "log_interval", "out_di
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
             and isinstance(v, (bool, int, float, str))}
 assert set(MODEL_KEYS) <= set(defaults), "a RoFormerConfig field has no training config key"
-try:
-    config = configure(defaults, sys.argv[1:])
-except ConfigError as e:
-    fail(str(e))
+config = configure(defaults, sys.argv[1:])
 globals().update(config)
 
 for key in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
             "log_interval", "lr_decay_iters"):
     if config[key] < 1:
-        fail(f"{key} must be >= 1, got {config[key]}")
+        raise UserError(f"{key} must be >= 1, got {config[key]}")
 for key in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
             "grad_clip"):
     if not config[key] >= 0:  # 0 is meaningful for each: 0 iterations evaluate the start
-        fail(f"{key} must be >= 0, got {config[key]}")
+        raise UserError(f"{key} must be >= 0, got {config[key]}")
 for key in ("beta1", "beta2", "muon_momentum"):
     if not 0 <= config[key] < 1:
-        fail(f"{key} must be in [0, 1), got {config[key]}")
+        raise UserError(f"{key} must be in [0, 1), got {config[key]}")
 if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
-    fail(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the rate would rise "
-         f"while it decays; lower --min_lr as well")
+    raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
+                    f"rate would rise while it decays; lower --min_lr as well")
 if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
-    fail(f"seed must be from 0 to 2**64 - 1, got {seed}")
+    raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
 if init_from not in ("scratch", "resume"):
-    fail(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+    raise UserError(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
 if warmup_iters > lr_decay_iters:
-    fail(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters ({lr_decay_iters})")
+    raise UserError(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters "
+                    f"({lr_decay_iters})")
 if optimizer not in ("adamw", "muon"):
-    fail(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
+    raise UserError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
 if fsdp and optimizer == "muon":
-    fail("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) optimizer "
-         "state is supported for AdamW only; use DDP (fsdp=False) or optimizer=adamw")
+    raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
+                    "optimizer state is supported for AdamW only; use DDP (fsdp=False) or "
+                    "optimizer=adamw")
 if fsdp and int(os.environ.get("RANK", -1)) == -1:
-    fail("fsdp=True shards the model over processes: run under torchrun (--nproc_per_node=1 "
-         "works too)")
+    raise UserError("fsdp=True shards the model over processes: run under torchrun "
+                    "(--nproc_per_node=1 works too)")
 
 # ----------------------------------------------------------------------------------------
 # processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype
@@ -134,28 +131,31 @@ ddp = int(os.environ.get("RANK", -1)) != -1
 rank, local_rank, world = ((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
                            if ddp else (0, 0, 1))
 if ddp:
+    from lib import parallel  # only under torchrun: one process needs no torch.distributed
     parallel.stop_with_launcher()  # a kill -9 of torchrun stops its workers too
 if gradient_accumulation_steps % world:  # every rank sees it; rank 0 says it, once
     if rank:
         sys.exit(1)
-    fail(f"gradient_accumulation_steps ({gradient_accumulation_steps}) counts the micro-steps of "
-         f"all {world} processes, so it must be a multiple of {world}: pass e.g. "
-         f"--gradient_accumulation_steps={world * -(-gradient_accumulation_steps // world)}")
+    raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) counts the "
+                    f"micro-steps of all {world} processes, so it must be a multiple of {world}: "
+                    f"pass e.g. --gradient_accumulation_steps="
+                    f"{world * -(-gradient_accumulation_steps // world)}")
 master = rank == 0
 if wandb_log and master:
-    runs.check_wandb()
+    run.check_wandb()
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
-dev, dtype = checkpoint.pick_device(device, dtype, training=True)
+dev, dtype = common.pick_device(device, dtype, training=True)
 if ddp and dev.type == "cuda" and dev.index is None:
     dev = torch.device("cuda", local_rank)
 device, device_type = str(dev), dev.type
 if fsdp and dtype == "float16":
-    fail("fsdp=True supports dtype float32 and bfloat16, not float16")
+    raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
 if optimizer == "muon" and dtype == "float16":  # what auto picks on GPUs without bf16
     if config["dtype"] != "auto":
-        fail("optimizer=muon does not work with dtype=float16: the GradScaler unscales and "
-             "steps one torch optimizer, not Muon paired with AdamW; use bfloat16 or float32")
+        raise UserError("optimizer=muon does not work with dtype=float16: the GradScaler "
+                        "unscales and steps one torch optimizer, not Muon paired with AdamW; use "
+                        "bfloat16 or float32")
     dtype = "float32"
 if device_type == "cuda":
     torch.cuda.set_device(dev)
@@ -167,7 +167,7 @@ ptdtype = getattr(torch, dtype)
 # With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
 autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
             else torch.autocast(device_type=device_type, dtype=ptdtype))
-if compile and device_type == "cpu" and not runs.cxx_compiler_found():
+if compile and device_type == "cpu" and not run.cxx_compiler_found():
     if master:
         print("warning: compile=True needs a C++ compiler on the CPU ($CXX, or g++) and there is "
               "none: running eager (pass --compile=False to skip this check)", flush=True)
@@ -176,33 +176,33 @@ config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
-ddir, meta = runs.open_dataset(dataset, data_dir, master, ddp)
+ddir, meta = run.open_dataset(dataset, data_dir, master, ddp)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
-tokenizer = runs.tokenizer_identity(dataset, data_dir, ddir, meta)
-runs.make_out_dir(out_dir)
+tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
+run.prepare_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
-run_id, restarts = runs.run_identity()
-ckpt, init_from = runs.resume_or_start(out_dir, init_from, run_id, restarts, master, ddp)
+run_id, restarts = run.run_identity()
+ckpt, init_from = run.resume_or_start(out_dir, init_from, run_id, restarts, master, ddp)
 resumed = ckpt is not None
 if resumed:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
-    runs.check_resume(ckpt, config, tokenizer, LOOP_KEYS, master)
+    run.check_resume(ckpt, config, tokenizer, LOOP_KEYS, master)
 else:
     model_args = {k: config[k] for k in MODEL_KEYS}
 if model_args["vocab_size"] < meta["vocab_size"]:
-    fail(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
-         f"{meta['vocab_size']}")
+    raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
+                    f"{meta['vocab_size']}")
 try:
     mconf = RoFormerConfig(**model_args)
 except ValueError as e:
-    fail(str(e))
+    raise UserError(str(e)) from None
 model_args = dataclasses.asdict(mconf)
 config.update(model_args)  # the checkpoint records the model that ran, not the command line
 block_size = mconf.block_size
-runs.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
+run.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
 
 
 def get_batch(split, rng, bs, T):
@@ -212,9 +212,9 @@ def get_batch(split, rng, bs, T):
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
-        fail(f"{ddir}/{split}.bin holds token id {windows.max()}, but the model's vocab_size is "
-             f"{mconf.vocab_size}: the data was encoded with another tokenizer; prepare it "
-             f"again with this run's tokenizer")
+        raise UserError(f"{ddir}/{split}.bin holds token id {windows.max()}, but the model's "
+                        f"vocab_size is {mconf.vocab_size}: the data was encoded with another "
+                        f"tokenizer; prepare it again with this run's tokenizer")
     w = torch.from_numpy(windows.astype(np.int64))
     if device_type == "cuda":
         # Pin and send the whole contiguous window, then slice on the device: pinning a
@@ -227,27 +227,33 @@ def get_batch(split, rng, bs, T):
 
 
 # ----------------------------------------------------------------------------------------
-# model and optimizer: built on the meta device, wrapped (DDP, or FSDP and sharded), then initialised from the seed
-raw_model, model, eval_model = parallel.build_model(
-    mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
-    param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
-    activation_checkpointing=activation_checkpointing)
-try:  # Muon's own keys only for Muon, so an AdamW-only optim.py takes the call as well
-    opt = build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type,
-                          name=optimizer, **({"muon_lr": muon_lr, "muon_momentum": muon_momentum}
-                                             if optimizer == "muon" else {}))
-except ValueError as e:
-    fail(str(e))
+# model and optimizer: built on the meta device, wrapped (DDP, or FSDP and sharded), then
+# initialised from the seed (lib/checkpoint.build_model)
+if ddp:
+    raw_model, model, eval_model = parallel.build_model(
+        mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
+        param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
+        activation_checkpointing=activation_checkpointing)
+else:
+    raw_model = checkpoint.build_model(mconf, seed, device,
+                                       activation_checkpointing=activation_checkpointing)
+    model = eval_model = torch.compile(raw_model) if compile else raw_model
+if optimizer == "muon":
+    from lib.optim import build_optimizer
+    try:
+        opt = build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type,
+                              name="muon", muon_lr=muon_lr, muon_momentum=muon_momentum)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+else:
+    opt = checkpoint.adamw(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type)
 # fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16") \
     if device_type == "cuda" else None
 iter_num, best_val_loss, tokens_seen, wandb_id = 0, float("inf"), 0, None
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 if resumed:
-    try:  # weights and optimizer state, from ckpt.pt or the DCP folder it names
-        checkpoint.load_state(ckpt, ckpt_path, raw_model, opt)
-    except checkpoint.CheckpointError as e:
-        fail(str(e))
+    checkpoint.load_state(ckpt, ckpt_path, raw_model, opt)  # from ckpt.pt or its DCP folder
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
@@ -278,11 +284,6 @@ def lr_factor(it):
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
 
 
-def get_lr(it):
-    """AdamW's rate at iteration `it` (the one log.jsonl records)."""
-    return learning_rate * lr_factor(it)
-
-
 @torch.no_grad()
 def estimate_loss():
     """Mean loss on eval_iters fixed batches per split. Its generator is rebuilt from the seed
@@ -302,69 +303,13 @@ def estimate_loss():
 
 
 def save_checkpoint():
-    """Atomic (checkpoint.py): a crash, a full disk or a power loss never leaves half a
-    checkpoint. All ranks call it."""
-    meta_state = {
+    """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
+    call it (an FSDP save is a collective)."""
+    checkpoint.save(ckpt_path, {
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "run_id": run_id, "wandb_id": wandb_id, "model_args": model_args, "config": config,
-        "tokenizer": tokenizer, "rng": checkpoint.rng_state()}
-    try:
-        checkpoint.save(ckpt_path, meta_state, raw_model, opt)
-    except checkpoint.CheckpointError as e:
-        fail(str(e))
-
-
-# FLOP/s of ONE device (this process's) that MFU is measured against: a GPU's datasheet peak
-# in the dtype that runs, or the CPU's matmul rate (runs.py)
-peak = (gpu_peak_flops(torch.cuda.get_device_name(), dtype) if device_type == "cuda"
-        else runs.cpu_peak_flops(ptdtype, ddp) if device_type == "cpu" else None)
-flops_per_token = raw_model.flops_per_token(block_size)
-
-# ----------------------------------------------------------------------------------------
-# logging
-if wandb_log and master:
-    import wandb
-    run = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
-                     **({"id": wandb_id, "resume": "allow"} if wandb_id else {}))
-    wandb_id = run.id  # in the checkpoint: a resumed run continues this wandb run
-if master:
-    runs.start_log(log_path, resumed, start_iter)
-    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
-          f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
-          f"{tokens_per_iter:,} tokens/iter, "
-          f"data {ddir}, run {run_id[:8]}", flush=True)
-    print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
-                     "(peak FLOP/s of this device unknown)"), flush=True)
-
-stop_requested = signalled = False
-
-
-def on_signal(signum, frame):
-    # Finish the step in flight, save, exit 0. A second Ctrl-C stops at once; a second SIGTERM
-    # does not, or it could kill the save (a launcher's death can deliver more than one).
-    global stop_requested
-    stop_requested = True
-    if signum == signal.SIGINT:
-        signal.signal(signum, signal.SIG_DFL)
-
-
-signal.signal(signal.SIGTERM, on_signal)
-signal.signal(signal.SIGINT, on_signal)
-# Test-only crash hook: ROFORMER_CRASH_AT="iter:rank" kills that rank hard at that iteration on
-# the first attempt under torchrun, so tests can check --max-restarts resumes exactly.
-crash_at = os.environ.get("ROFORMER_CRASH_AT")
-crash_at = tuple(map(int, crash_at.split(":"))) if crash_at else None
-
-# ----------------------------------------------------------------------------------------
-# the loop
-# A bar on a terminal; under a pipe or a file (CI, SLURM, `> log`) one plain line per
-# log_interval instead: a bar's carriage-return updates would write megabytes there.
-interactive = sys.stderr.isatty()
-bar = tqdm(total=max_iters, initial=iter_num, disable=not master or not interactive,
-           dynamic_ncols=True, unit="it")
-t_start = time.time()
-tok_s = None
+        "tokenizer": tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt, rank)
 
 
 def evaluate():
@@ -377,53 +322,46 @@ def evaluate():
         return
     best_val_loss = min(best_val_loss, losses["val"])
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
-              "lr": get_lr(iter_num), "tokens": tokens_seen,
-              "time_s": round(time.time() - t_start, 3)}
-    try:  # the log is not the run's state: a failed write costs a warning, not the checkpoint
-        runs.append_log(log_path, record)
-    except OSError as e:
-        bar.write(f"warning: cannot write {log_path} ({e.strerror}): the evaluation at iteration "
-                  f"{iter_num} is not logged")
-    bar.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
+              "lr": learning_rate * lr_factor(iter_num), "tokens": tokens_seen,
+              "time_s": round(time.time() - progress.t_start, 3)}
+    run.append_log(log_path, record, progress.write)
+    progress.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:
         wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
                    "lr": record["lr"], "tokens": record["tokens"]}, step=iter_num)
 
 
-def log_progress(loss_sum, grad_norm, dt):
-    """The bar's postfix on a terminal, else one plain line (rank 0, every log_interval)."""
-    global tok_s
-    rate = tokens_per_iter / dt  # tokens/s smoothed over steps; the first (compilation) skipped
-    if iter_num - start_iter > 2:
-        tok_s = rate if tok_s is None else 0.9 * tok_s + 0.1 * rate
-    post = {"loss": f"{loss_sum.item() / local_steps:.4f}", "gnorm": f"{grad_norm.item():.3f}"}
-    if tok_s:
-        post["tok/s"] = f"{tok_s:,.0f}"  # all ranks together
-        # model FLOPs per second of one device over that device's peak
-        post["mfu"] = f"{100 * flops_per_token * tok_s / world / peak:.1f}%" if peak else "n/a"
-    if interactive:
-        bar.update(iter_num - bar.n)
-        bar.set_postfix(post)
-    else:
-        per_iter = (time.time() - t_start) / (iter_num - start_iter)
-        eta = int(per_iter * (max_iters - iter_num))
-        print(f"iter {iter_num}/{max_iters}: " + ", ".join(f"{k} {v}" for k, v in post.items())
-              + f", eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", flush=True)
+# ----------------------------------------------------------------------------------------
+# logging
+if wandb_log and master:
+    import wandb
+    wandb_id = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
+                          **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
+peak = run.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
+progress = run.Progress(start_iter, max_iters, tokens_per_iter,
+                        raw_model.flops_per_token(block_size), peak, world, master)
+if master:
+    run.start_log(log_path, resumed, start_iter)
+    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
+          f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
+          f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)
+    print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
+                     "(peak FLOP/s of this device unknown)"), flush=True)
+stop = run.stop_on_signals()
+signalled = False
 
-
+# ----------------------------------------------------------------------------------------
+# the loop
 while iter_num < max_iters:
     # evaluate + checkpoint (not at the iteration a resumed run starts from: already done)
     if iter_num % eval_interval == 0 and not (resumed and iter_num == start_iter):
         evaluate()
         if iter_num > 0:
             save_checkpoint()
-    if crash_at and crash_at == (iter_num, rank) and restarts == 0:
-        os._exit(17)
 
     t0 = time.time()
-    factor = lr_factor(iter_num)
     for g in opt.param_groups:
-        g["lr"] = factor * g["base_lr"]
+        g["lr"] = lr_factor(iter_num) * g["base_lr"]
     loss_sum = torch.zeros((), device=dev)
     for micro in range(local_steps):
         gstep = rank * local_steps + micro  # the global micro-step: same batches for any N
@@ -432,7 +370,8 @@ while iter_num < max_iters:
         if mconf.dropout > 0:  # dropout, also a function of the step; the step's only
             # randomness, so without it no reseed (torch.manual_seed seeds every backend)
             torch.manual_seed(int(rng.integers(2 ** 62)))
-        with parallel.grad_sync(model, micro == local_steps - 1):  # DDP: last micro-step only
+        last = micro == local_steps - 1  # DDP syncs gradients on the last micro-step only
+        with parallel.grad_sync(model, last) if ddp else contextlib.nullcontext():
             with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
@@ -442,17 +381,19 @@ while iter_num < max_iters:
             (scaler.scale(loss) if scaler is not None else loss).backward()
     # one sync per step: stop together, and never step on a non-finite loss
     step_flags = torch.stack([(~torch.isfinite(loss_sum)).float(),
-                              torch.tensor(float(stop_requested), device=dev)])
+                              torch.tensor(float(bool(stop)), device=dev)])
     if ddp:
         torch.distributed.all_reduce(step_flags)
     non_finite, stopping = step_flags.tolist()
     if non_finite:
-        bar.close()
-        fail(f"non-finite loss at iteration {iter_num}; stopping without saving "
-             f"(the last good checkpoint, if any, is {ckpt_path})")
+        progress.close(iter_num)
+        raise UserError(f"non-finite loss at iteration {iter_num}; stopping without saving "
+                        f"(the last good checkpoint, if any, is {ckpt_path})")
     if scaler is not None:
         scaler.unscale_(opt)
-    grad_norm = parallel.clip_grad_norm(raw_model, grad_clip)  # over all ranks' gradients
+    # the global gradient norm, over all ranks' gradients; clip to grad_clip (0: no clipping)
+    grad_norm = parallel.clip_grad_norm(raw_model, grad_clip) if ddp else \
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
@@ -462,10 +403,10 @@ while iter_num < max_iters:
     iter_num += 1
     tokens_seen += tokens_per_iter
     if master and (iter_num % log_interval == 0 or iter_num == max_iters):
-        log_progress(loss_sum, grad_norm, time.time() - t0)
+        progress.log(iter_num, loss_sum.item() / local_steps, grad_norm.item(), time.time() - t0)
     if stopping:
         if master:
-            bar.write(f"signal received: stopping at iteration {iter_num}")
+            progress.write(f"signal received: stopping at iteration {iter_num}")
         signalled = True
         break
 
@@ -477,8 +418,7 @@ if signalled:
 if iter_num > start_iter or not resumed:
     evaluate()
 save_checkpoint()
-bar.update(iter_num - bar.n)
-bar.close()
+progress.close(iter_num)
 if wandb_log and master:
     wandb.finish()
 if ddp:

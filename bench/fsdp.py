@@ -23,7 +23,7 @@ import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
-from configurator import ConfigError, configure  # noqa: E402
+from lib.common import UserError, configure  # noqa: E402
 
 defaults = {"nproc": 2, "n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 8192,
             "block_size": 128, "batch_size": 2, "steps": 5, "device": "cpu", "dtype": "float32"}
@@ -37,9 +37,9 @@ def rss(field):
 def worker(args, mode, out):
     import torch.distributed as dist
 
-    import parallel
+    from lib import parallel
     from model import RoFormerConfig
-    from optim import build_optimizer
+    from lib.optim import build_optimizer
     cuda = args["device"] == "cuda"
     rank = int(os.environ["RANK"])
     device = f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu"
@@ -82,7 +82,7 @@ def worker(args, mode, out):
 def main():
     try:
         args = configure(defaults, sys.argv[1:])
-    except ConfigError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     out = tempfile.mkdtemp()
     rows = {}

@@ -23,10 +23,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
+from lib import checkpoint  # noqa: E402
+from lib.common import cli  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-import gguf_export  # noqa: E402
+from lib import gguf as gguf_export  # noqa: E402
 
 
 def llama_cpp_nats(llm, ids, window, stride):
@@ -83,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli(lambda argv: main())()  # a UserError (no run there, say) is one line

@@ -26,7 +26,7 @@ import torch
 
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
-from configurator import ConfigError, configure  # noqa: E402
+from lib.common import UserError, configure  # noqa: E402
 
 defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,1339",
             "adamw_lrs": "1e-3,2e-3,4e-3", "muon_lrs": "0.01,0.02,0.04", "threads": 1,
@@ -34,7 +34,7 @@ defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,133
             "eval_iters": 10, "results": "bench/results/optim.jsonl", "time_steps": 8}
 try:
     args = configure(defaults, sys.argv[1:])
-except ConfigError as e:
+except UserError as e:
     sys.exit(f"error: {e}")
 SHAPE = {k: args[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size")}
 results_path = os.path.join(here, args["results"])
@@ -110,9 +110,9 @@ def step_cost(shape):
     """ms per training step (forward, backward, optimizer) of adamw and muon on one model,
     alternated step by step so the shared machine's load hits both alike; bf16 autocast where
     the CPU has it natively, as train.py's auto dtype does."""
-    from configurator import cpu_has_bf16
+    from lib.common import cpu_has_bf16
     from model import RoFormer, RoFormerConfig
-    from optim import build_optimizer
+    from lib.optim import build_optimizer
     torch.set_num_threads(args["threads"])
     torch.manual_seed(0)
     T, B = shape["block_size"], shape["batch_size"]

@@ -66,9 +66,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import ConfigError, configure  # noqa: E402
+from lib.common import UserError, configure  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
+from lib.optim import build_optimizer  # noqa: E402
 
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
             "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5, "whole": False,
@@ -78,7 +78,7 @@ defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": Tr
             "target_eval": 25, "target_batches": 20, "muon_lr": 0.02, "seed": 1337}
 try:
     args = configure(defaults, sys.argv[1:])
-except ConfigError as e:
+except UserError as e:
     sys.exit(f"error: {e}")
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, vocab_size=65)

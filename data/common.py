@@ -3,7 +3,7 @@ train.bin / val.bin / tokenizer.model / meta.json (the layout is in the README),
 command-line options the scripts share. The stages, one module each, import only downward:
 
     sources.py -> documents.py -> tokenizer.py -> workers.py -> split.py -> write.py
-    (shared.py, below them all: the error type, the special ids, small helpers)
+    (shared.py, below them all: the special ids, small helpers; lib/common.py: the error type)
 
 A corpus is a list of sources read in order: text files (a file is a document; a corpus of a
 single text file is split into paragraphs), .jsonl / .jsonl.gz (a record is a document),
@@ -20,45 +20,44 @@ to hidden temp names and are renamed at the end, meta.json last (write.py).
 import collections
 import hashlib
 import os
-import sys
 import time
 
 import numpy as np
 
 from data import workers
 from data.documents import tasks, text_fields
-from data.shared import BOS_ID, EOS_ID, UNK_ID, PrepareError, dtype_for_vocab, tqdm
+from data.shared import BOS_ID, EOS_ID, UNK_ID, dtype_for_vocab, tqdm
 from data.split import split_tokens
 from data.tokenizer import TokenizerSample, load_tokenizer, train_tokenizer
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
+from lib.common import REPO, UserError, cli
 
-# train.py's --dataset=NAME reads data/NAME next to train.py: this folder.
-DATA_DIR = os.path.dirname(os.path.abspath(__file__))
+DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
 
 def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_tokens, num_proc,
                   sample_bytes, seed):
     if model_type not in ("bpe", "unigram", "char"):
-        raise PrepareError(f"model_type must be bpe, unigram or char, not {model_type!r}")
+        raise UserError(f"model_type must be bpe, unigram or char, not {model_type!r}")
     if not 0 <= seed < 1 << 64:  # the seed keys are 64-bit unsigned (shared.mix64)
-        raise PrepareError(f"seed must be between 0 and 2**64 - 1, not {seed}")
+        raise UserError(f"seed must be between 0 and 2**64 - 1, not {seed}")
     if not 0.0 < val_fraction < 1.0:
-        raise PrepareError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
+        raise UserError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
     if val_tokens is not None and val_tokens < 1:
-        raise PrepareError(f"val_tokens must be at least 1, not {val_tokens}")
+        raise UserError(f"val_tokens must be at least 1, not {val_tokens}")
     if vocab_size == 0 and model_type != "char":  # sentencepiece's own error is INTERNAL
-        raise PrepareError("vocab_size must be at least 261 (0, sized by the characters seen, "
-                           "is for --model_type char only)")
+        raise UserError("vocab_size must be at least 261 (0, sized by the characters seen, "
+                        "is for --model_type char only)")
     if vocab_size and vocab_size < 261:
-        raise PrepareError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
-                           f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
+        raise UserError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
+                        f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
     if min_val_tokens < 1:
-        raise PrepareError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
+        raise UserError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
     if num_proc < 1:
-        raise PrepareError(f"num_proc must be at least 1, not {num_proc}")
+        raise UserError(f"num_proc must be at least 1, not {num_proc}")
     if sample_bytes < 1:
-        raise PrepareError(f"sample_bytes must be at least 1, not {sample_bytes}")
+        raise UserError(f"sample_bytes must be at least 1, not {sample_bytes}")
 
 
 def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
@@ -74,7 +73,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     jobs = ((task, sample.cutoff()) for task in found)  # the cutoff when the job is sent
     for r in workers.ordered_map(workers.scan, jobs, num_proc, workers.init_worker, (settings,)):
         if r["error"]:
-            raise PrepareError(r["error"])
+            raise UserError(r["error"])
         per_source[r["source"]] += (r["docs"], r["bytes"], r["skipped"], r["no_field"])
         marker = marker or r["marker"]
         for key, si, text in r["sample"]:
@@ -82,7 +81,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     bar.close()
     for si, (docs, _, _, no_field) in per_source.items():
         if no_field and not docs and si not in skipped:  # --undecodable=skip cannot fix that
-            raise PrepareError(
+            raise UserError(
                 f"{sources[si][2]}: none of its records has the field "
                 f"{' or '.join(map(repr, settings['text_fields']))}; pass --text_field=NAME "
                 f"with the field its records use (several names, the first present wins: "
@@ -104,7 +103,7 @@ def report_scan(corpus, name, source, text_field, seconds, log):
         log(f"warning: skipped {corpus['skipped_records']} records without a string "
             f"{text_field!r} (not JSON, not an object, the field missing or not a string)")
     if not corpus["docs"]:
-        raise PrepareError(f"empty corpus: no text found in {source}")
+        raise UserError(f"empty corpus: no text found in {source}")
     if corpus["marker"]:
         # sentencepiece writes spaces as U+2581 internally, so the character itself decodes
         # back as a space: the only input that does not round-trip. Say so instead of hiding it.
@@ -127,7 +126,7 @@ def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
         for r in workers.ordered_map(workers.encode, jobs, num_proc, workers.init_worker,
                                      (settings,)):
             if r["error"]:
-                raise PrepareError(r["error"])
+                raise UserError(r["error"])
             f.write(r["tokens"].data)  # not ndarray.tofile: it ignores a failed write
             total += len(r["tokens"])
             docs += r["docs"]
@@ -144,7 +143,7 @@ def split_budget(total, val_fraction, val_tokens, min_val_tokens):
     if total - budget < min_val_tokens:
         rule = ("val_tokens" if val_tokens is not None else
                 f"val_fraction={val_fraction}, at least min_val_tokens={min_val_tokens}")
-        raise PrepareError(
+        raise UserError(
             f"corpus too small: {total} tokens in all, the validation split takes {budget} "
             f"({rule}) and training needs at least min_val_tokens={min_val_tokens}; add text "
             f"or lower min_val_tokens")
@@ -212,9 +211,9 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
     figures = dict(encode_s=time.time() - t0, encode_cpu=workers.cpu_seconds() - cpu0,
                    procs=procs, tokens=total)
     if (docs, nbytes) != (corpus["docs"], corpus["bytes"]):
-        raise PrepareError(f"the corpus changed while it was being prepared ({corpus['docs']} "
-                           f"documents, {corpus['bytes']} bytes when scanned; {docs}, "
-                           f"{nbytes} when encoded)")
+        raise UserError(f"the corpus changed while it was being prepared ({corpus['docs']} "
+                        f"documents, {corpus['bytes']} bytes when scanned; {docs}, "
+                        f"{nbytes} when encoded)")
 
     t0 = time.time()
     budget = split_budget(total, options["val_fraction"], options["val_tokens"],
@@ -274,7 +273,7 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
     except BaseException as e:
         remove_partial(tmps, out_dir, created)
         if isinstance(e, OSError):
-            raise PrepareError(os_error_message(e, out_dir)) from None
+            raise UserError(os_error_message(e, out_dir)) from None
         raise
     total = max(figures["tokens"], 1)
     log(f"wrote {out_dir}: train {meta['train_tokens']:,} tokens ({meta['train_docs']} pieces), "
@@ -332,10 +331,5 @@ def prepare_options(args):
 
 
 def run(main_fn, argv):
-    """Call a prepare script's body and turn user mistakes into one line and exit code 1."""
-    try:
-        return main_fn(argv)
-    except PrepareError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("error: interrupted; no output was written")
+    """Call a prepare script's body: a user mistake is one line and exit code 1."""
+    return cli(main_fn, interrupted="error: interrupted; no output was written")(argv)

@@ -2,17 +2,14 @@
 evaluation and export: the one place that opens a split, so every reader gets the same checks.
 
 A mistake (no meta.json, meta.json that is not JSON, a .bin whose size disagrees with the token
-count meta.json records, an empty split) raises DatasetError with a one-line message that
-names the file; the scripts print it as `error: ...`.
+count meta.json records, an empty split) raises a UserError that names the file.
 """
 import json
 import os
 
 import numpy as np
 
-
-class DatasetError(ValueError):
-    pass
+from lib.common import UserError
 
 
 def load_meta(ddir):
@@ -22,17 +19,17 @@ def load_meta(ddir):
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except FileNotFoundError:
-        raise DatasetError(f"{path} does not exist") from None
+        raise UserError(f"{path} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path} is not valid JSON ({e}); prepare the dataset again") from None
+        raise UserError(f"{path} is not valid JSON ({e}); prepare the dataset again") from None
     except OSError as e:
-        raise DatasetError(f"cannot read {path}: {e.strerror}") from None
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
     if not isinstance(meta, dict) or "dtype" not in meta or "vocab_size" not in meta:
-        raise DatasetError(f"{path} lacks 'dtype' or 'vocab_size'; prepare the dataset again")
+        raise UserError(f"{path} lacks 'dtype' or 'vocab_size'; prepare the dataset again")
     try:
         np.dtype(meta["dtype"])
     except TypeError:
-        raise DatasetError(f"{path}: unknown dtype {meta['dtype']!r}") from None
+        raise UserError(f"{path}: unknown dtype {meta['dtype']!r}") from None
     return meta
 
 
@@ -47,15 +44,15 @@ def open_split(ddir, split, meta=None):
     try:
         size = os.path.getsize(path)
     except OSError:
-        raise DatasetError(f"{path} does not exist") from None
+        raise UserError(f"{path} does not exist") from None
     want = meta.get(f"{split}_tokens")
     if want is not None and size != want * dtype.itemsize:
-        raise DatasetError(f"{path} has {size:,} bytes but meta.json records {want:,} tokens of "
-                           f"{dtype.name} = {want * dtype.itemsize:,} bytes; the file is "
-                           f"truncated or from another dataset: prepare it again")
+        raise UserError(f"{path} has {size:,} bytes but meta.json records {want:,} tokens of "
+                        f"{dtype.name} = {want * dtype.itemsize:,} bytes; the file is "
+                        f"truncated or from another dataset: prepare it again")
     if size % dtype.itemsize:
-        raise DatasetError(f"{path} has {size:,} bytes, not a whole number of {dtype.name} "
-                           f"tokens; prepare it again")
+        raise UserError(f"{path} has {size:,} bytes, not a whole number of {dtype.name} "
+                        f"tokens; prepare it again")
     if size == 0:
-        raise DatasetError(f"{path} is empty; prepare the dataset again")
+        raise UserError(f"{path} is empty; prepare the dataset again")
     return np.memmap(path, dtype=dtype, mode="r")

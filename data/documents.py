@@ -12,7 +12,8 @@ import json
 import os
 import re
 
-from data.shared import NoBar, PrepareError, cut_point
+from data.shared import NoBar, cut_point
+from lib.common import UserError
 from data.sources import TEXT_KINDS, decoded, gunzip, lines, parquet_texts, raw_blocks
 
 TASK_CHARS = 1 << 20      # text handed to one worker at once
@@ -27,7 +28,7 @@ def text_fields(spec):
     be under, the first one present wins (shards of one corpus often disagree)."""
     fields = tuple(f.strip() for f in spec.split(",") if f.strip())
     if not fields:
-        raise PrepareError(f"--text_field names no field: {spec!r}")
+        raise UserError(f"--text_field names no field: {spec!r}")
     return fields
 
 
@@ -152,7 +153,7 @@ def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None
             yield from source_tasks(si, name, kind, where, fields, sha, bar)
         except UnicodeError as e:
             if undecodable != "skip":
-                raise PrepareError(f"{e}" + (SKIP_HINT.format("files") if hint else ""))
+                raise UserError(f"{e}" + (SKIP_HINT.format("files") if hint else ""))
             skipped.append(si)
             continue  # neither hashed nor counted
         if hashes is not None:
@@ -219,4 +220,4 @@ def whole_documents(sources, fields):
                 yield si, "".join(pieces)
                 pieces = []
         if stats["error"]:
-            raise PrepareError(stats["error"])
+            raise UserError(stats["error"])

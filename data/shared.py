@@ -1,14 +1,8 @@
-"""What every stage of data/ shares: the error type, the special token ids, the names of the
-outputs and a few small helpers. It imports nothing from the project, so each stage (sources,
-documents, tokenizer, workers, split, write) imports it and none needs to import another
-stage just for these, which keeps the imports one-way."""
+"""What every stage of data/ shares: the special token ids, the names of the outputs and a
+few small helpers. Each stage (sources, documents, tokenizer, workers, split, write) imports
+it and none needs to import another stage just for these, which keeps the imports one-way.
+A user mistake, in every stage, raises lib/common.py's UserError."""
 import numpy as np
-
-
-# A user mistake raises PrepareError; the prepare scripts turn it into `error: ...` + exit 1.
-class PrepareError(Exception):
-    pass
-
 
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.model", "tokenizer.vocab", "meta.json")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2

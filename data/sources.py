@@ -5,7 +5,7 @@ import codecs
 import os
 import zlib
 
-from data.shared import PrepareError
+from lib.common import UserError
 
 READ_BYTES = 1 << 20      # raw bytes read from a file at a time
 TEXT_KINDS = ("text", "paragraphs")  # read as UTF-8 text: a file is a document, or paragraphs
@@ -19,7 +19,7 @@ def find_files(paths, extensions=None):
     found = []
     for given in paths:
         if not os.path.exists(given):
-            raise PrepareError(f"input path {given} does not exist")
+            raise UserError(f"input path {given} does not exist")
         if os.path.isfile(given):
             found.append((os.path.basename(given), given))
             continue
@@ -81,9 +81,9 @@ def gunzip(blocks, path):
         if out:
             yield out
     except zlib.error as e:
-        raise PrepareError(f"{path} is not a valid gzip file ({e})")
+        raise UserError(f"{path} is not a valid gzip file ({e})")
     if not d.eof:
-        raise PrepareError(f"{path} is not a valid gzip file (it ends before its data does)")
+        raise UserError(f"{path} is not a valid gzip file (it ends before its data does)")
 
 
 def lines(blocks):
@@ -131,19 +131,19 @@ def parquet_texts(path, fields):
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise PrepareError(f"reading {path} needs the pyarrow package: pip install pyarrow")
+        raise UserError(f"reading {path} needs the pyarrow package: pip install pyarrow")
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises its own error types for a file it cannot read
-        raise PrepareError(f"{path} is not a readable parquet file ({e})")
+        raise UserError(f"{path} is not a readable parquet file ({e})")
     names = pf.schema_arrow.names
     field = next((f for f in fields if f in names), None)
     if field is None:
         wanted = " or ".join(repr(f) for f in fields)
-        raise PrepareError(f"{path} has no column {wanted} (its columns: {', '.join(names)}); "
-                           f"pass --text_field")
+        raise UserError(f"{path} has no column {wanted} (its columns: {', '.join(names)}); "
+                        f"pass --text_field")
     ftype = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(ftype) or pa.types.is_large_string(ftype)):
-        raise PrepareError(f"{path}: column {field!r} holds {ftype}, not strings")
+        raise UserError(f"{path}: column {field!r} holds {ftype}, not strings")
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
         yield from batch.column(0).to_pylist()

@@ -6,7 +6,8 @@ import heapq
 import io
 import re
 
-from data.shared import BOS_ID, EOS_ID, UNK_ID, PrepareError
+from data.shared import BOS_ID, EOS_ID, UNK_ID
+from lib.common import UserError
 
 # sentencepiece's trainer records its thread count in the model and unigram's EM sums over
 # one partition of the sentences per thread, so the count must not come from the machine.
@@ -54,7 +55,7 @@ def train_tokenizer(lines, vocab_size, model_type):
     import sentencepiece as spm
 
     if not lines:
-        raise PrepareError("the tokenizer sample is empty (the corpus has no non-blank line)")
+        raise UserError("the tokenizer sample is empty (the corpus has no non-blank line)")
     settings = dict(
         model_type=model_type,
         vocab_size=vocab_size,
@@ -91,15 +92,15 @@ def train_tokenizer(lines, vocab_size, model_type):
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
         m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
         if m:
-            raise PrepareError(f"vocab_size {m.group(1)} is too small for this corpus: its "
-                               f"characters and the special and byte pieces need {m.group(2)}; "
-                               f"pass a larger --vocab_size")
+            raise UserError(f"vocab_size {m.group(1)} is too small for this corpus: its "
+                            f"characters and the special and byte pieces need {m.group(2)}; "
+                            f"pass a larger --vocab_size")
         m = re.search(r"value <= (\d+)", msg)
         if "Vocabulary size" in msg:
             limit = f" (at most {m.group(1)} here)" if m else ""
-            raise PrepareError(f"vocab_size {settings['vocab_size']} is too large for this "
-                               f"corpus{limit}; pass a smaller --vocab_size")
-        raise PrepareError(f"sentencepiece failed: {msg}")
+            raise UserError(f"vocab_size {settings['vocab_size']} is too large for this "
+                            f"corpus{limit}; pass a smaller --vocab_size")
+        raise UserError(f"sentencepiece failed: {msg}")
     settings["user_defined_symbols"] = ["\\n"]  # readable in meta.json
     settings["trainer_threads"] = TRAINER_THREADS
     return model.getvalue(), settings

@@ -1,12 +1,14 @@
 """Stage 6: writing. Every output goes to a hidden temp name in the dataset folder and is
-renamed at the end, meta.json last, so a folder with meta.json in it is complete; each temp
-file is fsynced before its rename and the folder after, so the renames are durable across a
-power loss too, not only across a crash. A failure removes the temp files and leaves a
-dataset already in the folder as it was."""
+renamed at the end, meta.json last, so a folder with meta.json in it is complete; each one
+with lib/common.py's publish (fsync, rename, fsync the folder), so the renames are durable
+across a power loss too. A failure removes the temp files and leaves a dataset already in
+the folder as it was."""
 import json
 import os
 
-from data.shared import OUTPUTS, PrepareError
+from data.shared import OUTPUTS
+from lib import common
+from lib.common import UserError
 
 # Fields every meta.json that prepare ever wrote holds (since its first version): a folder
 # whose meta.json has them is a dataset prepare made, and prepare may replace it.
@@ -26,28 +28,17 @@ def check_own_folder(out_dir):
     except (OSError, ValueError):  # unreadable, or not JSON: not one prepare wrote
         meta = None
     if not isinstance(meta, dict) or not all(k in meta for k in OWN_META_KEYS):
-        raise PrepareError(f"{path} was not written by prepare; it would be replaced, so pass "
-                           f"another --out_dir (a new or empty folder, or one prepare made)")
+        raise UserError(f"{path} was not written by prepare; it would be replaced, so pass "
+                        f"another --out_dir (a new or empty folder, or one prepare made)")
 
 
 def make_out_dir(out_dir):
-    """Create out_dir if needed and prove it is writable with a probe file.
-    Returns True when this call created the folder (so a failure can remove it again)."""
-    created = not os.path.isdir(out_dir) and not os.path.exists(out_dir)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        # Temp files of an earlier run that was killed outright (SIGKILL) are of no use.
-        for fn in os.listdir(out_dir):
-            if any(fn.startswith(f".{out}.tmp.") for out in OUTPUTS):
-                os.remove(os.path.join(out_dir, fn))
-        probe = os.path.join(out_dir, f".write-probe.{os.getpid()}")
-        with open(probe, "wb"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        if created and os.path.isdir(out_dir) and not os.listdir(out_dir):
-            os.rmdir(out_dir)
-        raise PrepareError(f"cannot write to output folder {out_dir}: {e.strerror or e}")
+    """Create out_dir if needed, prove it writable, and remove the temp files of an earlier run
+    that was killed outright (SIGKILL). Returns True when this call created the folder."""
+    created = common.make_out_dir(out_dir, "output folder")
+    for fn in os.listdir(out_dir):
+        if any(fn.startswith(f".{out}.tmp.") for out in OUTPUTS):
+            os.remove(os.path.join(out_dir, fn))
     return created
 
 
@@ -71,26 +62,14 @@ def write_meta(tmps, meta):
         f.write("\n")
 
 
-def fsync_path(path, directory=False):
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(tmps, out_dir):
     """Rename the finished temp files to their names. The old meta.json goes first, so that a
     crash between the renames never leaves a meta.json beside files from another run."""
-    for path in tmps.values():
-        fsync_path(path)
     final = {fn: os.path.join(out_dir, fn) for fn in OUTPUTS}
     if os.path.exists(final["meta.json"]):
         os.remove(final["meta.json"])
     for fn in OUTPUTS:
-        os.replace(tmps[fn], final[fn])
-    if hasattr(os, "O_DIRECTORY"):  # no directory fsync on Windows
-        fsync_path(out_dir, directory=True)
+        common.publish(tmps[fn], final[fn])
 
 
 def remove_partial(tmps, out_dir, created):

@@ -1,5 +1,5 @@
 """The --model option of tests/test_contract.py: `--model KEY=VALUE`, repeated, one field of
-RoFormerConfig each, read the way train.py reads `--KEY=VALUE` (configurator.py against the
+RoFormerConfig each, read the way train.py reads `--KEY=VALUE` (lib/common.py's configure against the
 field's default), on top of a tiny base configuration. Other test files ignore it."""
 import dataclasses
 import os
@@ -23,12 +23,12 @@ def pytest_addoption(parser):
 def contract_overrides(values):
     """['k=v', ...] -> {k: value} typed like RoFormerConfig's defaults, and the RoFormerConfig
     they make on the tiny base; a mistake is a pytest.UsageError in one line."""
-    from configurator import ConfigError, configure
+    from lib.common import UserError, configure
     from model import RoFormerConfig
     defaults = {f.name: f.default for f in dataclasses.fields(RoFormerConfig)}
     try:
         typed = configure(defaults, ["--" + v for v in values])
-    except ConfigError as e:
+    except UserError as e:
         near = "unknown" not in str(e) or "did you mean" in str(e)
         fields = "" if near else f" (RoFormerConfig's fields: {', '.join(sorted(defaults))})"
         raise pytest.UsageError(f"--model: {e}{fields}") from None

@@ -1,7 +1,8 @@
-"""checkpoint.py, the one module that reads and writes checkpoints: load_run's RoPE scaling
+"""lib/checkpoint.py, the one module that reads and writes checkpoints: load_run's RoPE scaling
 overrides against a model built with that scaling directly, files that are not checkpoints, a
 full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
-the training device/dtype rules of pick_device."""
+the training device/dtype rules of lib/common.pick_device. A mistake is a UserError whose
+message the scripts print as the one line `error: ...`."""
 import errno
 import hashlib
 import io
@@ -14,7 +15,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
+from lib import checkpoint, common  # noqa: E402
+from lib.common import UserError  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -81,9 +83,9 @@ def test_rope_scaling_mistakes_are_one_line(tmp_path, tokenizer):
         (rope, dict(rope_scaling="none", rope_factor=4.0), "rope_factor needs"),
         (learned, dict(rope_scaling="ntk", rope_factor=2.0), "applies to RoPE models"),
     ]:
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(UserError) as e:
             checkpoint.load_run(out, cpu, "float32", **kwargs)
-        assert str(e.value).startswith("error: ") and words in str(e.value), e.value
+        assert words in str(e.value), e.value
         assert "\n" not in str(e.value)
     # switching scaling off on a model that never had it is no mistake
     model, _, _ = checkpoint.load_run(learned, cpu, "float32", rope_scaling="none")
@@ -102,15 +104,15 @@ def test_a_bad_rope_scaling_flag_is_blamed_on_the_flag(tmp_path, tokenizer):
         (rope, dict(rope_scaling="linear", rope_factor=0.5), "--rope_factor=0.5"),
         (tiny_heads, dict(rope_scaling="ntk", rope_factor=2.0), "head dim 2 must be above 2"),
     ]:
-        with pytest.raises(SystemExit) as e:
+        with pytest.raises(UserError) as e:
             checkpoint.load_run(out, torch.device("cpu"), "float32", **kwargs)
         msg = str(e.value)
-        assert msg.startswith("error: ") and "\n" not in msg and words in msg, msg
+        assert "\n" not in msg and words in msg, msg
         assert "ckpt.pt" not in msg and "--rope_scaling=" in msg
     # the checkpoint's own config at fault is still blamed on the checkpoint
     torch.save(dict(torch.load(os.path.join(rope, "ckpt.pt"), weights_only=True),
                     model_args=dict(ARGS, n_head=3)), os.path.join(rope, "ckpt.pt"))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:
         checkpoint.load_run(rope, torch.device("cpu"), "float32", rope_scaling="ntk",
                             rope_factor=2.0)
     assert "model config in" in str(e.value) and "ckpt.pt" in str(e.value)
@@ -127,13 +129,13 @@ def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path, tokenizer, content):
         content = open(path, "rb").read()[:os.path.getsize(path) // 2]
     with open(path, "wb") as f:
         f.write(content)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(UserError) as e:
         checkpoint.read(path)
     assert "not a checkpoint" in str(e.value) and path in str(e.value)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(UserError) as e:
         checkpoint.load_run(out, torch.device("cpu"), "float32")
     msg = str(e.value)
-    assert msg.startswith("error: cannot load") and "not a checkpoint" in msg, msg
+    assert msg.startswith("cannot load") and "not a checkpoint" in msg, msg
     assert "zipfile" not in msg and "\n" not in msg
 
 
@@ -149,7 +151,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         f.write(b"PK\x03\x04 half a checkpoint")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(checkpoint.CheckpointError) as e:
+    with pytest.raises(UserError) as e:
         checkpoint.commit(path, dict(first, iter_num=2))
     assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
     assert open(path, "rb").read() == before
@@ -159,12 +161,13 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 FILL_TMPFS = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
-import checkpoint
+from lib import checkpoint
+from lib.common import UserError
 path = os.path.join({mnt!r}, "ckpt.pt")
 checkpoint.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
 try:
     checkpoint.commit(path, {{"model": {{"w": torch.ones(1_000_000)}}, "model_args": {{}}}})
-except checkpoint.CheckpointError as e:
+except UserError as e:
     print(e)
 """
 
@@ -193,16 +196,16 @@ def test_pick_device_rules_for_training_and_decoding(monkeypatch):
     """One resolver: training takes bf16 autocast on a CPU with native bf16 matmuls, decoding
     stays float32 on the CPU; float16 needs CUDA for training (its GradScaler)."""
     for native in (True, False):
-        monkeypatch.setattr(checkpoint, "cpu_has_bf16", lambda native=native: native)
-        dev, dtype = checkpoint.pick_device("cpu", "auto", training=True)
+        monkeypatch.setattr(common, "cpu_has_bf16", lambda native=native: native)
+        dev, dtype = common.pick_device("cpu", "auto", training=True)
         assert dev.type == "cpu" and dtype == ("bfloat16" if native else "float32")
-        assert checkpoint.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
-    with pytest.raises(SystemExit, match="float16 needs CUDA"):
-        checkpoint.pick_device("cpu", "float16", training=True)
-    with pytest.raises(SystemExit, match="dtype must be"):
-        checkpoint.pick_device("cpu", "int8")
-    with pytest.raises(SystemExit, match="unknown device"):
-        checkpoint.pick_device("gpu0")
+        assert common.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
+    with pytest.raises(UserError, match="float16 needs CUDA"):
+        common.pick_device("cpu", "float16", training=True)
+    with pytest.raises(UserError, match="dtype must be"):
+        common.pick_device("cpu", "int8")
+    with pytest.raises(UserError, match="unknown device"):
+        common.pick_device("gpu0")
 
 
 @pytest.mark.parametrize("device", ["meta", "xpu", "mps", "cuda", "CUDA_PAST_THE_LAST"])
@@ -216,9 +219,9 @@ def test_a_device_that_is_not_here_is_one_line(device):
             "cuda": torch.cuda.is_available()}.get(device, False)
     for training in (True, False):
         if here:
-            assert checkpoint.pick_device(device, "float32", training)[0].type == device
+            assert common.pick_device(device, "float32", training)[0].type == device
             continue
-        with pytest.raises(SystemExit) as e:
-            checkpoint.pick_device(device, "float32", training)
+        with pytest.raises(UserError) as e:
+            common.pick_device(device, "float32", training)
         msg = str(e.value)
-        assert msg.startswith("error: ") and device in msg and "\n" not in msg
+        assert device in msg and "\n" not in msg

@@ -1,4 +1,4 @@
-"""configurator.configure: the precedence defaults < config files < --key=value, type checks
+"""lib/common.configure: the precedence defaults < config files < --key=value, type checks
 against the defaults, and one-line errors that name the key."""
 import hashlib
 import os
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configurator import ConfigError, configure, file_sha256  # noqa: E402
+from lib.common import UserError as ConfigError, configure, file_sha256  # noqa: E402
 
 DEFAULTS = {"batch_size": 16, "learning_rate": 6e-4, "compile": True, "device": "auto",
             "out_dir": "out"}
@@ -91,7 +91,7 @@ def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
     Checked against a stand-in for torch's query, since no GPU runs these tests."""
     import torch
-    from configurator import cuda_autocast_dtype
+    from lib.common import cuda_autocast_dtype
     for native, want in ((False, "float16"), (True, "bfloat16")):
         def query(including_emulation=True, native=native):
             return native or including_emulation  # emulation always "works"
@@ -109,7 +109,7 @@ def test_gpu_peak_matches_the_exact_model(name, tflops):
     """Substring matching gave an A10G the A10's peak and an L40 or L40S the L4's; an H100
     PCIe (756 TFLOP/s dense bf16) is not an SXM part (989). Unknown cards get None (mfu n/a).
     The expected values are the vendors' datasheet figures, written out here."""
-    from configurator import gpu_peak_flops
+    from lib.run import gpu_peak_flops
     got = gpu_peak_flops(name)
     assert (got is None and tflops is None) or got == tflops * 1e12
 
@@ -137,7 +137,7 @@ def test_gpu_peak_depends_on_the_dtype_that_runs():
     """MFU of an fp32 run (TF32 tensor cores, allowed by train.py) is measured against the
     card's TF32 rate, not its bf16 rate; fp16/bf16 against the 16-bit rate; a dtype a card only
     emulates (bf16 on a T4 or V100) has no peak. Datasheet figures (dense), written out here."""
-    from configurator import GPU_PEAK_FLOPS, gpu_peak_flops
+    from lib.run import GPU_PEAK_FLOPS, gpu_peak_flops
     datasheet = {"NVIDIA H100 80GB HBM3": (989, 494.5), "NVIDIA A100-SXM4-80GB": (312, 156),
                  "NVIDIA L4": (121, 60), "NVIDIA H100 PCIe": (756, 378)}
     for name, (half, tf32) in datasheet.items():

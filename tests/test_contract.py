@@ -8,7 +8,7 @@ Each property is a plain function check_<property>(cfg, model_factory) that rais
 AssertionError naming the property; model_factory(cfg) builds the model (RoFormer, or one of
 the deliberately broken variants at the end, which prove each check can fail). The checks
 use the public API only: RoFormer(cfg), forward(idx, targets) -> (logits, loss), and the
-decoding primitives generate.py drives (new_cache, prefill, the one-token step)."""
+decoding primitives sample.py drives (new_cache, prefill, the one-token step)."""
 import contextlib
 import io
 import inspect
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import generate as decoding  # noqa: E402
+import sample as decoding  # noqa: E402
 import model as model_module  # noqa: E402
 from model import RoFormer  # noqa: E402
 
@@ -62,7 +62,7 @@ def max_diff(a, b):
 
 @torch.no_grad()
 def cached_logits(model, idx, split):
-    """Logits at positions split-1 .. T-1 as generate.py computes them: the first split tokens
+    """Logits at positions split-1 .. T-1 as sample.py computes them: the first split tokens
     prefilled (in chunks of the window), then the rest fed one token per cached step."""
     total = idx.size(1)
     cache = model.new_cache(total, idx.device)
@@ -375,14 +375,14 @@ def export_hf(model, model_factory, folder, idx):
 
 
 def export_gguf(model, model_factory, folder, idx):
-    """The f32 file gguf_export.py writes (its metadata with an empty tokenizer: the model's
+    """The f32 file lib/gguf.py writes (its metadata with an empty tokenizer: the model's
     part is what counts here), computed two ways: by test_gguf.py's float64 forward written
     from llama.cpp's gptneox graph, and by our model with the file's weights read back into a
     fresh model of other weights (a parameter the file lacks keeps the fresh value, and shows)."""
     pytest.importorskip("gguf", reason="the GGUF export writes with the gguf package")
     pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2",
                              reason="GGUF metadata is written from a sentencepiece ModelProto")
-    import gguf_export
+    from lib import gguf as gguf_export
     from test_gguf import gptneox_forward  # skips this test where its packages are missing
     no_tokenizer = SimpleNamespace(eos_id=lambda: 0, unk_id=lambda: 0, bos_id=lambda: -1)
     meta = gguf_export.gguf_metadata(model.config, no_tokenizer, pb.ModelProto(), "f32",

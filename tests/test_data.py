@@ -919,7 +919,8 @@ def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
     meta.json (truncated, empty, read with another dtype) and a meta.json that is not JSON
     are one line naming the file, never a silently shorter corpus."""
     import shutil
-    from data.dataset import DatasetError, load_meta, open_split
+    from data.dataset import load_meta, open_split
+    from lib.common import UserError as DatasetError
     root, _, meta = prepared
     ddir = tmp_path / "d"
     shutil.copytree(root / "out", ddir)

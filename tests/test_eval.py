@@ -2,7 +2,7 @@
 eval.py against independent references: the sliding window's coverage checked target by
 target, and the reported loss against a naive loop that runs the model once per scored token
 on exactly the context the window rule gives it (a closed form, not eval.py's loop). Also the
-shared loader's one-line errors (checkpoint.py). The run here is trained for a few steps with
+shared loader's one-line errors (lib/checkpoint.py). The run here is trained for a few steps with
 the real train.py on a corpus built with data/common.py, so its tokenizer has the settings of
 every real run (identity normalisation, no dummy prefix, byte fallback, "\\n" piece).
 test_export.py reuses `make_run`.
@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import eval as evalpy  # noqa: E402
 from data import common  # noqa: E402
+from lib.common import UserError  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 BLOCK = 64
@@ -102,10 +103,11 @@ def json_eval(capsys, *args):
 
 
 def one_line_error(fn, *args):
-    """The message of the sys.exit that fn(*args) must end in: one line, 'error: ...'."""
-    with pytest.raises(SystemExit) as e:
+    """The line fn(*args) must end in: one line, 'error: ...' (a script's main exits with it;
+    a library function raises the UserError that lib/common.py turns into it)."""
+    with pytest.raises((SystemExit, UserError)) as e:
         fn(*args)
-    msg = str(e.value.code)
+    msg = str(e.value.code) if isinstance(e.value, SystemExit) else f"error: {e.value}"
     assert msg.startswith("error: ") and "\n" not in msg, msg
     return msg
 
@@ -398,7 +400,7 @@ def as_trained_on(ckpt, data):
 def another_corpus_in_data_dataset(tmp_path, monkeypatch):
     """data/<dataset> next to the scripts (checkpoint.REPO, moved to tmp_path/repo) holds
     another corpus with its own tokenizer: the folder the old search fell back to."""
-    import checkpoint
+    from lib import checkpoint
     repo = tmp_path / "repo"
     texts = [t for _, t in corpus_docs(12, seed=11)]
     common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",

@@ -26,10 +26,10 @@ pytest.importorskip("safetensors", reason="export.py writes model.safetensors wi
 pytest.importorskip("tokenizers", reason="export.py builds tokenizer.json with tokenizers")
 transformers = pytest.importorskip("transformers", reason="the exported folder is checked by "
                                    "loading it with transformers")
-import checkpoint  # noqa: E402
+from lib import checkpoint  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-import generate as decoding  # noqa: E402
+import sample as decoding  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402

@@ -25,8 +25,8 @@ spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf", reason="export.py --gguf writes with the gguf package")
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-import generate as decoding  # noqa: E402
-import gguf_export  # noqa: E402
+import sample as decoding  # noqa: E402
+from lib import gguf as gguf_export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import BLOCK, corpus_docs, make_run, one_line_error, one_thread  # noqa: E402,F401

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
+from lib.optim import build_optimizer  # noqa: E402
 
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 

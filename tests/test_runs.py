@@ -1,4 +1,4 @@
-"""runs.py: the CPU peak that CPU MFU is measured against is timed once per machine setup
+"""lib/run.py: the CPU peak that CPU MFU is measured against is timed once per machine setup
 (cached) and, under DDP, by one rank and shared, since ranks timing at once on shared cores
 each see a fraction of the machine. The references: a counter on the timing function, and the
 value rank 0 measured.
@@ -14,7 +14,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import runs  # noqa: E402
+from lib import run as runs  # noqa: E402
 
 
 def test_cpu_peak_is_timed_once_per_machine_setup(tmp_path, monkeypatch):

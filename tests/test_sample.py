@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import sample  # noqa: E402
-import generate as decoding  # noqa: E402
+import sample as decoding  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 BLOCK = 32
@@ -428,7 +428,7 @@ def test_moved_tokenizer_is_reported_as_missing_not_retrained(ws, capsys, tmp_pa
     """The recorded tokenizer is gone and data/<dataset>/tokenizer.model holds another one:
     the message says the run's file is missing and how to point to it, not "retrained"; the
     file at the new place is then accepted."""
-    import checkpoint
+    from lib import checkpoint
     monkeypatch.setattr(checkpoint, "REPO", str(tmp_path))
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     train_tokenizer(str(tmp_path / "data" / "tiny" / "tokenizer.model"), byte_fallback=False)

@@ -48,7 +48,7 @@ def data(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("data")))
 
 
-# The runs' caches (the CPU peak, runs.py) in a folder of this test session, not the user's
+# The runs' caches (the CPU peak, lib/run.py) in a folder of this test session, not the user's
 CACHE = tempfile.mkdtemp(prefix="roformer-test-cache-")
 atexit.register(shutil.rmtree, CACHE, True)
 
@@ -68,9 +68,12 @@ def train(*args, check=True, **extra):
     return r
 
 
-def torchrun(nproc, *args, restarts=0, **extra):
+def torchrun(nproc, *args, restarts=0, crash_at=None, **extra):
+    """crash_at="ITER:RANK": that rank dies hard at that iteration on the first attempt
+    (tests/crash_train.py)."""
+    script = [os.path.join(ROOT, "tests", "crash_train.py"), crash_at] if crash_at else [TRAIN]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", TRAIN, *args],
+                        f"--nproc_per_node={nproc}", f"--max-restarts={restarts}", *script, *args],
                        capture_output=True, text=True, cwd=ROOT, env=env(**extra))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
@@ -235,7 +238,7 @@ def test_a_restart_never_resumes_another_runs_checkpoint(data, tmp_path):
     train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2", "--n_embd=48")
     old = load(out)
     r = torchrun(1, f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=4",
-                 "--eval_interval=2", restarts=1, ROFORMER_CRASH_AT="1:0")
+                 "--eval_interval=2", restarts=1, crash_at="1:0")
     assert "resuming" not in r.stdout and "moved it to" in r.stdout
     new = load(out)
     assert new["model_args"]["n_embd"] == 32 and new["iter_num"] == 4
@@ -291,7 +294,7 @@ def test_torchrun_restart_resumes(data, one_process, tmp_path):
     restarts both ranks, they resume from the checkpoint and end where an unbroken run ends."""
     out = str(tmp_path / "restart")
     r = torchrun(2, f"--data_dir={data}", f"--out_dir={out}", *DDP_ARGS, restarts=1,
-                 ROFORMER_CRASH_AT="5:1")
+                 crash_at="5:1")
     assert "resuming from" in r.stdout + r.stderr
     assert load(out)["iter_num"] == 8
     assert [row["iter"] for row in log(out)] == [0, 4, 8]

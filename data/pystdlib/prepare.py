@@ -9,8 +9,7 @@ import os
 import sys
 import sysconfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from data import common  # noqa: E402
 # Folders inside the stdlib that are not the stdlib: installed packages and bytecode caches.
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}

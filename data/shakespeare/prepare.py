@@ -14,13 +14,11 @@ import os
 import sys
 import urllib.request
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from data import common  # noqa: E402
-from data.shared import PrepareError  # noqa: E402
+from lib.common import REPO, UserError  # noqa: E402
 from data.sources import file_sources, find_files  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 
@@ -37,8 +35,8 @@ def download(path, timeout):
         if os.path.exists(tmp):
             os.remove(tmp)
         reason = getattr(e, "reason", e)
-        raise PrepareError(f"could not download tiny Shakespeare ({reason}); "
-                           f"pass --input PATH with a local copy of it")
+        raise UserError(f"could not download tiny Shakespeare ({reason}); "
+                        f"pass --input PATH with a local copy of it")
 
 
 def main(argv=None):
@@ -56,7 +54,7 @@ def main(argv=None):
     def body(_):
         path = args.input
         if path is None:
-            path = os.path.join(HERE, "input.txt")
+            path = os.path.join(REPO, "data", "shakespeare", "input.txt")
             if not os.path.exists(path):
                 download(path, args.timeout)
         name = "shakespeare_char" if args.char else "shakespeare"

@@ -1,5 +1,6 @@
 """
-A run as one GGUF file, the format llama.cpp, ollama and LM Studio read (export.py --gguf).
+A run as one GGUF file, the format llama.cpp, ollama and LM Studio read (export.py --gguf
+imports it only then).
 
 The model is llama.cpp's `gptneox` architecture, the same block the HF export maps to
 (pre-LayerNorm, GELU MLP, sequential residual, RoPE in the rotate-half layout on the whole
@@ -263,8 +264,6 @@ def compare_with_llama_cpp(path, model, sp, text, n_greedy=24):
     file's weights: token ids against sentencepiece on each line of `text` and on all of it, the
     logits of one window of it, and greedy decoding from its start."""
     import llama_cpp
-
-    from generate import generate
     reference = weights_from_gguf(path, model)
     window = model.config.context_window
     llm = llama_cpp.Llama(model_path=path, n_ctx=window, logits_all=True, verbose=False)
@@ -278,7 +277,11 @@ def compare_with_llama_cpp(path, model, sp, text, n_greedy=24):
     ours = reference(torch.tensor([ids]))[0][0].double().numpy()
     prompt = ids[:max(1, min(8, len(ids)))]
     n_new = min(n_greedy, window - len(prompt))
-    greedy_ours = generate(reference, torch.tensor([prompt]), n_new, temperature=0)[0, len(prompt):]
+    greedy_ours = torch.tensor([prompt])
+    for _ in range(n_new):  # whole forwards inside the window: what the cached decoding gives
+        next_id = reference(greedy_ours)[0][:, -1].argmax(-1, keepdim=True)
+        greedy_ours = torch.cat((greedy_ours, next_id), dim=1)
+    greedy_ours = greedy_ours[0, len(prompt):]
     return {"texts": len(texts), "texts_differing": differing, "positions": len(ids),
             "max_logit_diff": float(np.abs(theirs - ours).max()),
             "logit_scale": float(np.abs(ours).max()), "greedy_tokens": n_new,

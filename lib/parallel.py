@@ -1,7 +1,7 @@
 """
-How train.py spreads a model over processes: DDP or FSDP2 wrapping, the meta-device build, the
-gradient sync and clipping, and the state dicts a sharded model's checkpoint needs (checkpoint.py
-writes and reads the files). Plain functions over torch's own APIs.
+How train.py spreads a model over processes under torchrun (imported only there): DDP or FSDP2
+applied from outside to a model built on the meta device, the gradient sync and clipping, and
+an FSDP run's checkpoint (every rank writes its shards to a DCP folder that ckpt.pt names).
 
 DDP (the default): every rank holds the whole model, its gradients and the AdamW state, and
 all-reduces the gradients. FSDP2 (fsdp=True): every rank holds 1/N of each; a block's weights
@@ -12,20 +12,23 @@ import ctypes
 import functools
 import inspect
 import os
+import shutil
 import signal
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.tensor import DTensor
 
-from model import RoFormer, init_parameter
+from lib.checkpoint import build_model as build, commit
+from lib.common import UserError, fsync
 
 
 def init_process_group(device_type, rank, world):
@@ -58,38 +61,14 @@ def stop_with_launcher():
 def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, compile=False,
                 activation_checkpointing=False):
     """Returns (raw_model, model, eval_model): the RoFormer itself (state dicts, optimizer),
-    the module to train (compiled, DDP- or FSDP-wrapped) and the one to evaluate.
-
-    The model is built on the meta device (shapes only), sharded if fsdp, and only then
-    given memory on `device` and initialised, so with FSDP no rank ever holds more than its
-    shard plus one full parameter. The same path serves every mode, so one process, DDP and
-    FSDP start from the same weights."""
-    with torch.device("meta"):
-        raw = RoFormer(mconf)
-    if activation_checkpointing:
-        # Keep only each block's input for backward and recompute the rest: the forward runs
-        # twice, the activation memory drops to one block's. The module is not wrapped, so
-        # parameter names (and checkpoints) stay the same.
-        for block in raw.blocks:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    if fsdp:
-        mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
-        # bf16 compute with fp32 sharded weights and fp32 gradient reduction (this replaces
-        # autocast). cast_forward_inputs=False: the blocks get the RoPE tables as inputs,
-        # and those must stay float32 (bf16 angles are badly rounded).
-        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False)
-        for block in raw.blocks:  # one all-gather per block, overlapped with compute
-            if compile:
-                block.compile()  # in place: parameter names keep no _orig_mod. prefix
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(raw, mesh=mesh, mp_policy=mp)  # the rest: embeddings (tied head), ln_f
-    materialise(raw, device)
-    init_weights(raw, seed)
+    the module to train (compiled, DDP- or FSDP-wrapped) and the one to evaluate. The model is
+    built on the meta device and sharded before it gets memory (lib/checkpoint.build_model)."""
+    shard = functools.partial(fully_shard_model, device=device, param_dtype=param_dtype,
+                              compile=compile) if fsdp else None
+    raw = build(mconf, seed, device, shard, activation_checkpointing)
     if fsdp:  # every rank runs the evaluation too: a sharded forward is a collective
         return raw, raw, raw
-    model = torch.compile(raw) if compile else raw
-    eval_model = model  # never the DDP wrapper: rank 0 evaluates alone, with no collectives
+    model = eval_model = torch.compile(raw) if compile else raw  # rank 0 evaluates alone
     if ddp:
         # No buffer sync before every forward: the only buffers are the position tables, built
         # identically on every rank. Newer torch names it forward_sync_buffers (and warns on
@@ -98,54 +77,24 @@ def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, co
         no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args
                    else "broadcast_buffers": False}
         model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
-            **no_sync)
+            model, device_ids=[torch.device(device).index] if str(device).startswith("cuda")
+            else None, **no_sync)
     return raw, model, eval_model
 
 
-def materialise(model, device):
-    """Give a meta-built model uninitialised memory on `device`. to_empty loses two things
-    that are put back here: ties between parameters (on a plain module wte and lm_head would
-    come apart; FSDP keeps them) and buffers computed at construction (the position tables,
-    which model.py builds on the CPU even under the meta device)."""
-    owners, buffers = {}, []
-    for mname, mod in model.named_modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, name))
-        for name, b in mod._buffers.items():
-            if b is not None and b.is_meta and b.numel():
-                raise RuntimeError(f"buffer {mname}.{name} was built on the meta device: nothing "
-                                   f"would give it its values after to_empty")
-            if b is not None and not b.is_meta:
-                buffers.append((mod, name, b))
-    model.to_empty(device=device)
-    for shared in owners.values():
-        first = getattr(*shared[0])
-        for mod, name in shared[1:]:
-            if getattr(mod, name) is not first:
-                setattr(mod, name, first)
-    for mod, name, b in buffers:
-        setattr(mod, name, b.to(device))
-
-
-@torch.no_grad()
-def init_weights(model, seed):
-    """RoFormer's initialisation (model.init_parameter, the one rule), drawn so that it does
-    not depend on the sharding: each full parameter is drawn in turn from one generator seeded
-    with `seed` on every rank, and each rank keeps its own shard of it. (Sharded random ops
-    would give every shard a stream of its own: other weights for every number of ranks.)"""
-    gen = None
-    for name, p in model.named_parameters():  # the tied head is wte's weight: drawn once
-        full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        if gen is None:
-            gen = torch.Generator(device=p.device).manual_seed(seed)
-        init_parameter(name, full, model.config.n_layer, gen)
-        if isinstance(p, DTensor):  # this rank's piece, cut locally (src_data_rank=None)
-            full = distribute_tensor(full, p.device_mesh, p.placements,
-                                     src_data_rank=None).to_local()
-            p = p.to_local()
-        p.copy_(full)
+def fully_shard_model(raw, device, param_dtype=None, compile=False):
+    """FSDP2 on a meta-built model: one all-gather per block, overlapped with compute; bf16
+    compute with fp32 sharded weights and fp32 gradient reduction (this replaces autocast).
+    cast_forward_inputs=False: the blocks get the RoPE tables as inputs, and those must stay
+    float32 (bf16 angles are badly rounded)."""
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    for block in raw.blocks:
+        if compile:
+            block.compile()  # in place: parameter names keep no _orig_mod. prefix
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(raw, mesh=mesh, mp_policy=mp)  # the rest: embeddings (tied head), ln_f
 
 
 def grad_sync(model, last):
@@ -166,7 +115,7 @@ def clip_grad_norm(model, max_norm):
 
 
 # ----------------------------------------------------------------------------------------
-# state dicts for checkpoint.py (which does the files): as laid out now, sharded or not
+# an FSDP run's checkpoint: model and optimizer as each rank holds them, in a DCP folder
 
 def is_sharded(model):
     return isinstance(model, FSDPModule)
@@ -180,16 +129,27 @@ def sharded_state(raw_model, optimizer):
     return {"model": msd, "optimizer": osd}
 
 
-def set_sharded_state(raw_model, optimizer, state):
-    set_state_dict(raw_model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-
-
 def full_weights(raw_model):
     """The consolidated weights of a sharded model, gathered to rank 0's CPU one parameter at
     a time (a collective: every rank calls it)."""
     return get_model_state_dict(raw_model,
                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_state(ckpt, path, raw_model, optimizer):
+    """lib/checkpoint.load_state's sharded half: ckpt.pt's full state cut into this rank's
+    shards, or the DCP folder it names resharded to this run's ranks (FSDP or not)."""
+    if "sharded" not in ckpt:
+        return load_full_state(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])
+    folder = os.path.join(os.path.dirname(path), ckpt["sharded"])
+    if not os.path.isdir(folder):
+        raise UserError(f"{path} names {folder}, which does not exist")
+    state = sharded_state(raw_model, optimizer)
+    with warnings.catch_warnings():  # it warns about no_dist=True even when asked for it
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    set_state_dict(raw_model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
 
 
 def load_full_state(raw_model, optimizer, weights, optim_state):
@@ -210,3 +170,43 @@ def load_full_state(raw_model, optimizer, weights, optim_state):
                             for g in optim_state["param_groups"]]}
     set_state_dict(raw_model, optimizer, model_state_dict=weights, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True))
+
+
+def save_sharded(path, ckpt, raw_model, optimizer):
+    """An FSDP run's save, a collective: every rank writes its shards of model and optimizer to
+    a fresh DCP folder, rank 0 adds the consolidated weights to ckpt.pt, which names the
+    folder."""
+    out_dir, rank0 = os.path.dirname(path) or ".", dist.get_rank() == 0
+    # A fresh folder name, even when re-saving the same iteration: the folder that the
+    # current ckpt.pt names must survive until the new ckpt.pt replaces it.
+    name = [None]
+    if rank0:
+        k = 0
+        while any(os.path.exists(os.path.join(out_dir, f"ckpt-{ckpt['iter_num']}.{k}.dcp{s}"))
+                  for s in ("", ".tmp")):
+            k += 1
+        name = [f"ckpt-{ckpt['iter_num']}.{k}.dcp"]
+    dist.broadcast_object_list(name, src=0)
+    folder = os.path.join(out_dir, name[0])
+    try:  # sync_files: each rank fsyncs its shard files before the folder is renamed
+        dcp.save(sharded_state(raw_model, optimizer),
+                 storage_writer=dcp.FileSystemWriter(folder + ".tmp", sync_files=True))
+    except Exception as e:  # a full disk on any rank fails the save on every rank
+        if rank0:
+            shutil.rmtree(folder + ".tmp", ignore_errors=True)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot write {folder}: {msg}; the previous checkpoint, if any, "
+                        f"is kept") from None
+    ckpt = dict(ckpt, model=full_weights(raw_model), sharded=name[0])
+    error = None
+    if rank0:
+        try:  # dcp.save returns on rank 0 after every rank has written its files
+            os.replace(folder + ".tmp", folder)
+            fsync(out_dir)
+            commit(path, ckpt)
+        except (OSError, UserError) as e:
+            error = str(e)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)  # everyone returns with the checkpoint committed
+    if errors[0]:
+        raise UserError(errors[0])

@@ -1,14 +1,9 @@
 """
-Run management for train.py: which dataset folder, which out_dir, which run, whose checkpoint.
-
-- A run has an id, recorded in its checkpoints. A torchrun restart resumes only its own run's
-  checkpoint; a new run moves an older run's checkpoint and log aside instead of overwriting it.
-- out_dir is created and checked for writing before any training starts; a command that fails
-  before writing anything leaves no empty out_dir behind (fail).
-- The default corpus is built on first use; every dataset is checked (data/dataset.py) first.
-- log.jsonl is trimmed back to the checkpoint when a run resumes.
-- The CPU's peak matmul rate, which CPU MFU is measured against, is timed once per machine
-  setup and kept in a small cache file.
+train.py's run operations, behind one small interface: the dataset folder (built on first use
+for the default corpus), out_dir hygiene, run ids and restarts (a torchrun restart resumes only
+its own run's checkpoint; a new run moves an older one aside), log.jsonl (trimmed back to the
+checkpoint on resume), the progress line, signals, and the peak FLOP/s that MFU is measured
+against (a GPU's datasheet, or the CPU's matmul rate timed once per machine setup).
 """
 import contextlib
 import json
@@ -16,28 +11,18 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 import uuid
 
 import torch
+from tqdm import tqdm
 
-from checkpoint import CheckpointError, read
-from configurator import file_sha256
-from data.dataset import DatasetError, load_meta, open_split
-
-REPO = os.path.dirname(os.path.abspath(__file__))
-created_out_dir = None  # the out_dir this command made, removed again if it fails while empty
-
-
-def fail(msg):
-    """One line `error: ...` and exit 1, without leaving behind an out_dir this command made
-    and never wrote to."""
-    if created_out_dir and os.path.isdir(created_out_dir) and not os.listdir(created_out_dir):
-        with contextlib.suppress(OSError):
-            os.rmdir(created_out_dir)
-    sys.exit(f"error: {msg}")
+from data.dataset import load_meta, open_split
+from lib.checkpoint import read
+from lib.common import REPO, UserError, file_sha256, make_out_dir
 
 
 def barrier(ddp):
@@ -82,18 +67,16 @@ def open_dataset(dataset, data_dir, master, ddp):
             built = subprocess.run([sys.executable, os.path.join(REPO, "data", dataset,
                                                                  "prepare.py")])
             if built.returncode:
-                fail(f"python data/{dataset}/prepare.py failed (exit {built.returncode})")
+                raise UserError(f"python data/{dataset}/prepare.py failed (exit "
+                                f"{built.returncode})")
         barrier(ddp)
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
-        fail(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); build it "
-             f"with: {prepare_command(dataset, data_dir)}")
-    try:
-        meta = load_meta(ddir)
-        for split in ("train", "val"):
-            open_split(ddir, split, meta)
-    except DatasetError as e:
-        fail(str(e))
+        raise UserError(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); "
+                        f"build it with: {prepare_command(dataset, data_dir)}")
+    meta = load_meta(ddir)
+    for split in ("train", "val"):
+        open_split(ddir, split, meta)
     return ddir, meta
 
 
@@ -112,8 +95,8 @@ def check_split_sizes(ddir, meta, block_size):
     for split in ("train", "val"):
         tokens = len(open_split(ddir, split, meta))
         if tokens < block_size + 1:
-            fail(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
-                 f"{block_size + 1}; lower block_size or use more data")
+            raise UserError(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
+                            f"{block_size + 1}; lower block_size or use more data")
 
 
 # ----------------------------------------------------------------------------------------
@@ -127,25 +110,17 @@ def run_identity():
     return os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex, restarts
 
 
-def make_out_dir(out_dir):
+def prepare_out_dir(out_dir):
     """Create out_dir and check now, before any training, that the run can write its files
-    there (a checkpoint, log.jsonl); a full hour of training lost to a typo'd path is worse
-    than one line at the start."""
-    global created_out_dir
+    there (a checkpoint, log.jsonl): an hour of training lost to a typo'd path is worse than one
+    line at the start."""
+    make_out_dir(out_dir)
+    log_path = os.path.join(out_dir, "log.jsonl")
     try:
-        if not os.path.isdir(out_dir):
-            os.makedirs(out_dir, exist_ok=True)
-            created_out_dir = out_dir
-        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-        log_path = os.path.join(out_dir, "log.jsonl")
         if os.path.lexists(log_path):
-            with open(log_path, "a"):
-                pass
+            open(log_path, "a").close()
     except OSError as e:
-        fail(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})")
+        raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})") from None
 
 
 def cxx_compiler_found():
@@ -172,7 +147,7 @@ def check_wandb():
     try:
         import wandb
     except ImportError:
-        fail("wandb_log=True needs the wandb package: pip install wandb")
+        raise UserError("wandb_log=True needs the wandb package: pip install wandb")
     try:
         try:  # the mode from the environment and wandb's settings files (`wandb offline`)
             from wandb.sdk.wandb_setup import singleton
@@ -186,17 +161,10 @@ def check_wandb():
         except TypeError:  # a wandb before login(prompt=...)
             logged_in = wandb.api.api_key is not None
     except (ValueError, wandb.errors.Error) as e:  # a malformed key or WANDB_MODE
-        fail(f"wandb_log=True: {str(e).splitlines()[0]}")
+        raise UserError(f"wandb_log=True: {str(e).splitlines()[0]}")
     if not logged_in:
-        fail("wandb_log=True but wandb has no login: run `wandb login` or set WANDB_API_KEY, "
-             "or log locally with WANDB_MODE=offline")
-
-
-def load_checkpoint(path):
-    try:  # mmap: every rank reads the metadata; the weights are paged in only where needed
-        return read(path, mmap=True)
-    except CheckpointError as e:
-        fail(str(e))
+        raise UserError("wandb_log=True but wandb has no login: run `wandb login` or set "
+                        "WANDB_API_KEY, or log locally with WANDB_MODE=offline")
 
 
 def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
@@ -207,10 +175,10 @@ def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
     ckpt = None
     if init_from == "resume":
         if not os.path.exists(ckpt_path):
-            fail(f"init_from=resume but {ckpt_path} does not exist")
-        ckpt = load_checkpoint(ckpt_path)
+            raise UserError(f"init_from=resume but {ckpt_path} does not exist")
+        ckpt = read(ckpt_path, mmap=True)  # every rank reads the metadata; weights paged in
     elif restarts > 0 and os.path.exists(ckpt_path):
-        ckpt = load_checkpoint(ckpt_path)
+        ckpt = read(ckpt_path, mmap=True)
         if ckpt.get("run_id") == run_id:
             if master:
                 print(f"restart {restarts}: resuming from {ckpt_path}", flush=True)
@@ -237,11 +205,11 @@ def check_resume(ckpt, config, tokenizer, loop_keys, master):
               f"(model keys are taken from the checkpoint; the rest from this command)")
     saved_optimizer = ckpt["config"].get("optimizer", "adamw")  # older runs: AdamW
     if saved_optimizer != config["optimizer"]:
-        fail(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume with "
-             f"--optimizer={saved_optimizer}")
+        raise UserError(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume "
+                        f"with --optimizer={saved_optimizer}")
     if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
-        fail(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
-             f"{tokenizer['path']}; resume with the same dataset")
+        raise UserError(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
+                        f"{tokenizer['path']}; resume with the same dataset")
 
 
 def move_aside(out_dir):
@@ -289,21 +257,61 @@ def start_log(log_path, resumed, start_iter):
         print(f"warning: cannot rewrite {log_path} ({e.strerror}); training goes on", flush=True)
 
 
-def append_log(log_path, record):
-    """One line more in log.jsonl. A write that fails (a full disk) is cut back off, so no half
-    line is left for the next one to be glued to; the OSError is the caller's to report."""
+def append_log(log_path, record, warn=print):
+    """One line more in log.jsonl. The log is not the run's state: a write that fails (a full
+    disk) is cut back off, so no half line is left for the next one to be glued to, and costs
+    a warning, not the checkpoint."""
     size = os.path.getsize(log_path) if os.path.exists(log_path) else 0
     try:
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-    except OSError:
+    except OSError as e:
         with contextlib.suppress(OSError):
             os.truncate(log_path, size)
-        raise
+        warn(f"warning: cannot write {log_path} ({e.strerror}): the evaluation at iteration "
+             f"{record['iter']} is not logged")
 
 
 # ----------------------------------------------------------------------------------------
-# the CPU's peak, which CPU MFU is measured against (a CPU has no honest datasheet number)
+# MFU: model FLOPs per second of one device over that device's peak
+
+# Dense (no sparsity) peaks of one card from the vendors' datasheets, FLOP/s by the dtype that
+# runs: bf16/fp16 tensor cores, and for float32 the TF32 tensor-core rate where the card has one
+# (train.py allows TF32 matmuls), else plain fp32. The variants of one family differ a lot (H100
+# SXM vs PCIe, A10 vs A10G, L40 vs L40S), so names are matched by whole words; an unknown card
+# or a dtype the card only emulates (bf16 on a V100 or T4) gets no MFU rather than a wrong one.
+GPU_PEAK_FLOPS = {  # (bfloat16, float16, float32)
+    ("h200",): (989e12, 989e12, 494.5e12), ("h200", "nvl"): (835e12, 835e12, 417.5e12),
+    ("h100",): (989e12, 989e12, 494.5e12), ("h100", "pcie"): (756e12, 756e12, 378e12),
+    ("h100", "nvl"): (835e12, 835e12, 417.5e12),
+    ("a100",): (312e12, 312e12, 156e12), ("a30",): (165e12, 165e12, 82e12),
+    ("a10",): (125e12, 125e12, 62.5e12), ("l4",): (121e12, 121e12, 60e12),
+    ("l40",): (181e12, 181e12, 90.5e12), ("l40s",): (362e12, 362e12, 183e12),
+    ("v100",): (None, 125e12, 15.7e12), ("v100", "pcie"): (None, 112e12, 14e12),
+    ("t4",): (None, 65e12, 8.1e12),
+}
+PEAK_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def gpu_peak_flops(name, dtype="float16"):
+    """Peak FLOP/s of one card from its torch.cuda.get_device_name() for a run in `dtype`, or
+    None if unknown. "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL parts say so."""
+    words = set(name.lower().replace("-", " ").split())
+    best = None
+    for key, flops in GPU_PEAK_FLOPS.items():
+        if key[0] in words and all(w in words for w in key[1:]):
+            if best is None or len(key) > len(best[0]):  # the most specific match wins
+                best = (key, flops)
+    return best[1][PEAK_DTYPES.index(dtype)] if best else None
+
+
+def peak_flops(device_type, dtype, ddp):
+    """FLOP/s of ONE device (this process's) for MFU: a GPU's datasheet peak in the dtype that
+    runs, the CPU's timed matmul rate (a CPU has no honest datasheet number), else None."""
+    if device_type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(), dtype)
+    return cpu_peak_flops(getattr(torch, dtype), ddp) if device_type == "cpu" else None
+
 
 def time_matmul(dtype, seconds=0.2, bursts=4):
     """FLOP/s of a 1024^3 matmul in `dtype` on this process's threads: the best of a few short
@@ -363,3 +371,62 @@ def cpu_peak_flops(dtype, ddp):
     if ddp:
         torch.distributed.broadcast(peak, src=0)
     return peak.item()
+
+
+# ----------------------------------------------------------------------------------------
+# signals and progress
+
+def stop_on_signals():
+    """SIGTERM/SIGINT: finish the step in flight, save, exit 0; a second Ctrl-C stops at once,
+    a second SIGTERM does not (a launcher's death can deliver two, and the second would kill
+    the save in flight). Returns a list that is non-empty once a signal came."""
+    stop = []
+
+    def on_signal(signum, frame):
+        stop.append(signum)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    return stop
+
+
+class Progress:
+    """Rank 0's progress: a tqdm bar on a terminal; under a pipe or a file (CI, SLURM, `> log`)
+    one plain line per log_interval, since a bar's carriage-return updates would write
+    megabytes there. Tokens/s is smoothed over steps, the first (compilation) ones skipped."""
+
+    def __init__(self, start_iter, max_iters, tokens_per_iter, flops_per_token, peak, world,
+                 master):
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=max_iters, initial=start_iter, dynamic_ncols=True, unit="it",
+                        disable=not master or not self.interactive)
+        self.start_iter, self.max_iters, self.t_start, self.tok_s = start_iter, max_iters, \
+            time.time(), None
+        self.tokens_per_iter, self.flops, self.peak, self.world = tokens_per_iter, \
+            flops_per_token, peak, world
+
+    def log(self, iter_num, loss, grad_norm, dt):
+        rate = self.tokens_per_iter / dt
+        if iter_num - self.start_iter > 2:
+            self.tok_s = rate if self.tok_s is None else 0.9 * self.tok_s + 0.1 * rate
+        post = {"loss": f"{loss:.4f}", "gnorm": f"{grad_norm:.3f}"}
+        if self.tok_s:
+            post["tok/s"] = f"{self.tok_s:,.0f}"  # all ranks together
+            post["mfu"] = (f"{100 * self.flops * self.tok_s / self.world / self.peak:.1f}%"
+                           if self.peak else "n/a")
+        if self.interactive:
+            self.bar.update(iter_num - self.bar.n)
+            self.bar.set_postfix(post)
+            return
+        eta = int((time.time() - self.t_start) / (iter_num - self.start_iter)
+                  * (self.max_iters - iter_num))
+        print(f"iter {iter_num}/{self.max_iters}: " + ", ".join(f"{k} {v}" for k, v in post.items())
+              + f", eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", flush=True)
+
+    def write(self, line):
+        self.bar.write(line)
+
+    def close(self, iter_num):
+        self.bar.update(iter_num - self.bar.n)
+        self.bar.close()

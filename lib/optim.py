@@ -1,12 +1,12 @@
 """
-The optimizer train.py steps (and the benches and tests build): AdamW, or Muon for the hidden
-matrices with AdamW for the rest.
-
-Every parameter group carries "base_lr", its peak rate (learning_rate, or Muon's muon_lr): the
-training loop sets each group's lr to that times the schedule's fraction, so groups with their
-own base learning rate (Muon's) follow the same warmup and decay.
+optimizer=muon (imported only then): torch.optim.Muon for the hidden matrices, paired with
+lib/checkpoint.py's AdamW for the rest. Every parameter group carries "base_lr", its peak rate
+(learning_rate, or muon_lr): train.py sets each group's lr to that times the schedule's
+fraction, so Muon's groups follow the same warmup and decay.
 """
 import torch
+
+from lib.checkpoint import adamw
 
 
 class MuonAdamW:
@@ -50,28 +50,17 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     orthogonalising an update suits a hidden layer's map, not a lookup table or a gain."""
     if name not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
-    if name == "muon" and not hasattr(torch.optim, "Muon"):
+    if name == "adamw":
+        return adamw(model, learning_rate, weight_decay, betas, device_type)
+    if not hasattr(torch.optim, "Muon"):
         raise ValueError(f"optimizer=muon needs torch >= 2.9 (torch.optim.Muon); this is "
                          f"torch {torch.__version__}")
-    hidden = set()
-    if name == "muon":
-        hidden = {id(m.weight) for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2 and id(p) not in hidden],
-               "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel over all parameters on CUDA and on CPU (the default there is a Python
-    # loop over the parameters, which a small model's step feels; docs/OPTIM.md)
-    fused = True if device_type in ("cuda", "cpu") else None
-    adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
-    for g in adamw.param_groups:
-        g["base_lr"] = learning_rate
-    if name == "adamw":
-        return adamw
+    hidden = [m.weight for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
     # Muon's default lr adjustment ("original": rate x sqrt(max(1, rows/cols))) keeps the
     # update's RMS alike across matrix shapes at one muon_lr; its decoupled weight decay
     # shrinks by muon_lr x weight_decay per step, as AdamW's does by lr x weight_decay.
-    muon = torch.optim.Muon([p for p in params if id(p) in hidden], lr=muon_lr,
+    muon = torch.optim.Muon([p for p in hidden if p.requires_grad], lr=muon_lr,
                             weight_decay=weight_decay, momentum=muon_momentum)
     muon.param_groups[0]["base_lr"] = muon_lr
-    return MuonAdamW(muon, adamw)
+    return MuonAdamW(muon, adamw(model, learning_rate, weight_decay, betas, device_type,
+                                 exclude={id(p) for p in hidden}))

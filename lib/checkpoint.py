@@ -1,0 +1,356 @@
+"""
+Every checkpoint read and write of one process (or DDP), and the building of the model they
+hold: train.py builds, saves and resumes here; sample.py, eval.py and export.py start with
+load_run (out_dir -> ckpt.pt -> the model on a device and dtype, and the sentencepiece
+tokenizer it was trained with, checked by sha256).
+
+The format. out_dir/ckpt.pt always holds `model` (the uncompiled module's full state dict),
+`model_args` (the RoFormerConfig fields), `config`, `tokenizer` (dataset, path, sha256),
+`iter_num`, `best_val_loss`, and what exact resume needs (RNG, tokens, run id). A one-process
+or DDP run also keeps `optimizer` in it; an FSDP run keeps model and optimizer in a DCP folder
+beside it (lib/parallel.py) that ckpt.pt names (`sharded`). ckpt.pt is replaced last,
+atomically: it is the commit point, so a crash, a full disk or a power loss at any moment
+leaves the previous ckpt.pt and the folder it names intact. Every way this can go wrong for a
+user is a UserError of one line.
+"""
+import contextlib
+import functools
+import os
+import random
+import shutil
+import sys
+import zipfile
+
+import numpy as np
+import torch
+
+from lib.common import REPO, UserError, atomic_write, file_sha256
+from model import RoFormer, RoFormerConfig, init_parameter
+
+
+# ----------------------------------------------------------------------------------------
+# the model and its optimizer, built the same way for one process, DDP and FSDP
+
+def build_model(mconf, seed, device, shard=None, activation_checkpointing=False):
+    """The RoFormer, built on the meta device (shapes only), sharded by `shard` if given
+    (lib/parallel.py's FSDP, applied from outside), and only then given memory on `device` and
+    initialised from `seed`: with FSDP no rank ever holds more than its shard plus one full
+    parameter, and every mode starts from the same weights."""
+    with torch.device("meta"):
+        model = RoFormer(mconf)
+    if activation_checkpointing:
+        # Keep only each block's input for backward and recompute the rest: the forward runs
+        # twice, the activation memory drops to one block's. The module is not wrapped, so
+        # parameter names (and checkpoints) stay the same.
+        from torch.utils.checkpoint import checkpoint
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    if shard:
+        shard(model)
+    materialise(model, device)
+    init_weights(model, seed)
+    return model
+
+
+def materialise(model, device):
+    """Give a meta-built model uninitialised memory on `device`. to_empty loses two things
+    that are put back here: ties between parameters (on a plain module wte and lm_head would
+    come apart; FSDP keeps them) and buffers computed at construction (the position tables,
+    which model.py builds on the CPU even under the meta device)."""
+    owners, buffers = {}, []
+    for mname, mod in model.named_modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, name))
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_meta and b.numel():
+                raise RuntimeError(f"buffer {mname}.{name} was built on the meta device: nothing "
+                                   f"would give it its values after to_empty")
+            if b is not None and not b.is_meta:
+                buffers.append((mod, name, b))
+    model.to_empty(device=device)
+    for shared in owners.values():
+        first = getattr(*shared[0])
+        for mod, name in shared[1:]:
+            if getattr(mod, name) is not first:
+                setattr(mod, name, first)
+    for mod, name, b in buffers:
+        setattr(mod, name, b.to(device))
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """model.init_parameter (the one rule), drawn so that it does not depend on the sharding:
+    each full parameter in turn from one generator seeded with `seed` on every rank, each rank
+    keeping its own shard of it (sharded random ops would give every number of ranks other
+    weights)."""
+    gen = None
+    for name, p in model.named_parameters():  # the tied head is wte's weight: drawn once
+        full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        init_parameter(name, full, model.config.n_layer, gen)
+        if hasattr(p, "device_mesh"):  # a DTensor: this rank's piece, cut locally
+            from torch.distributed.tensor import distribute_tensor
+            full = distribute_tensor(full, p.device_mesh, p.placements,
+                                     src_data_rank=None).to_local()
+            p = p.to_local()
+        p.copy_(full)
+
+
+def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
+          exclude=()):
+    """AdamW with weight decay on matrices (linears, embeddings) only, not on norms or biases;
+    parameters in `exclude` (ids) are left to another optimizer (lib/optim.py's Muon). Every
+    group carries "base_lr", its peak rate: train.py sets lr to that times the schedule."""
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in exclude]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # fused: one kernel over all parameters on CUDA and on CPU (the default there is a Python
+    # loop over the parameters, which a small model's step feels; docs/OPTIM.md)
+    opt = torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
+                            fused=True if device_type in ("cuda", "cpu") else None)
+    for g in opt.param_groups:
+        g["base_lr"] = learning_rate
+    return opt
+
+
+# ----------------------------------------------------------------------------------------
+# reading
+
+def read(path, mmap=False):
+    """The dict in ckpt.pt (tensors on the CPU; mmap: paged in only where used). A file that is
+    not one of ours is a UserError: torch's own message for an empty or non-zip file is a hint
+    about _use_new_zipfile_serialization, which tells a user nothing."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise UserError(f"cannot load {path}: {e.strerror}") from None
+    if size == 0 or not zipfile.is_zipfile(path):
+        why = "an empty file" if size == 0 else "not a zip archive: truncated, or another file"
+        raise UserError(f"cannot load {path}: it is not a checkpoint ({why})")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # a damaged archive: say which file, not a traceback
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"cannot load {path}: it is not a checkpoint ({msg})") from None
+    if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
+        raise UserError(f"cannot load {path}: it is not a checkpoint of this project (no model "
+                        f"weights and model_args)")
+    return ckpt
+
+
+def misfit(path, err):
+    """The one line for weights that do not fit the checkpoint's model_args."""
+    lines = str(err).splitlines()  # a header line, then the first offending keys
+    detail = (lines[1] if len(lines) > 1 else lines[0]).strip()[:200]
+    return f"the weights in {path} do not fit its model_args: {detail}"
+
+
+def load_state(ckpt, path, raw_model, optimizer):
+    """Load model weights and optimizer state of `ckpt` (read from `path`) into raw_model and
+    optimizer, however they are sharded now (lib/parallel.py reshards an FSDP run's DCP folder
+    to any number of ranks, FSDP or not). The optimizer keeps this command's hyperparameters."""
+    if "sharded" not in ckpt and "optimizer" not in ckpt:
+        raise UserError(f"{path} holds no optimizer state: it cannot be resumed")
+    # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
+    # eps, fused, ...); this command's settings are the ones that must run, so put them back.
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        if "sharded" in ckpt or hasattr(raw_model, "reshard"):  # an FSDP run or model
+            from lib import parallel
+            parallel.load_state(ckpt, path, raw_model, optimizer)
+        else:
+            raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError) as e:  # weights or optimizer state of another shape
+        raise UserError(misfit(path, e)) from None
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
+
+
+def load_tokenizer(info, override):
+    """The checkpoint's sentencepiece model: the `override` path, else the recorded absolute
+    path, else data/<dataset>/tokenizer.model. The first file whose sha256 matches the
+    checkpoint wins; another tokenizer would silently turn the model's ids into wrong text."""
+    try:  # imported here: only checkpoints with a tokenizer need it
+        import sentencepiece as spm
+    except ImportError:
+        raise UserError("this checkpoint's tokenizer needs sentencepiece: pip install "
+                        "sentencepiece") from None
+    if not isinstance(info, dict) or not info.get("sha256"):
+        if not override:  # trained from a dataset without tokenizer.model: nothing to check
+            raise UserError("the checkpoint records no tokenizer; pass --tokenizer=PATH")
+        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
+              file=sys.stderr)
+        return spm.SentencePieceProcessor(model_file=override)
+    candidates = [override] if override else [
+        info.get("path", ""), os.path.join(REPO, "data", str(info.get("dataset")), "tokenizer.model")]
+    mismatched = []
+    for path in candidates:
+        if path and os.path.isfile(path):
+            if file_sha256(path) == info["sha256"]:
+                return spm.SentencePieceProcessor(model_file=path)
+            mismatched.append(path)
+    recorded = info.get("path", "")
+    if mismatched and not override and recorded and not os.path.isfile(recorded):
+        # The run's file is gone (moved, most likely); the one found under data/<dataset>/ is
+        # another tokenizer, which says nothing about the run's having been retrained.
+        raise UserError(f"the run's tokenizer {recorded} is missing (moved or deleted), and "
+                        f"{mismatched[0]} is another tokenizer; pass the run's with "
+                        f"--tokenizer=PATH")
+    if mismatched:
+        raise UserError(f"tokenizer {mismatched[0]} does not match the checkpoint (sha256 "
+                        f"differs from {info['sha256'][:12]}...); it was retrained since, so "
+                        f"rebuild that dataset or pass the original with --tokenizer=PATH")
+    raise UserError(f"tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
+                    f"dataset '{info.get('dataset')}' again or pass --tokenizer=PATH")
+
+
+def rescale(model_args, rope_scaling, rope_factor):
+    """model_args with the inference-time RoPE scaling applied ("" / 0: keep the checkpoint's).
+    "none" means factor 1: it switches a checkpoint's scaling off."""
+    scaling = rope_scaling or model_args.get("rope_scaling", "none")
+    if scaling == "none":
+        if rope_factor not in (0, 1):
+            raise UserError("rope_factor needs --rope_scaling=linear or --rope_scaling=ntk")
+        factor = 1.0
+    else:
+        factor = rope_factor or model_args.get("rope_factor", 1.0)
+        if model_args.get("pos_encoding") != "rope":
+            raise UserError(f"rope_scaling applies to RoPE models; this one uses "
+                            f"pos_encoding={model_args.get('pos_encoding')!r}")
+    return dict(model_args, rope_scaling=scaling, rope_factor=float(factor))
+
+
+def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=0.0):
+    """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
+    checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) change the
+    rotation at inference, which needs no retraining."""
+    if not os.path.isdir(out_dir):
+        raise UserError(f"out_dir {out_dir!r} does not exist (train first, or pass --out_dir=DIR)")
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(ckpt_path):
+        raise UserError(f"no checkpoint at {ckpt_path}")
+    ckpt = read(ckpt_path)
+    model_args = dict(ckpt["model_args"])
+    try:
+        config = RoFormerConfig(**model_args)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model config in {ckpt_path}: {e}") from None
+    if rope_scaling or rope_factor:  # the checkpoint's config is valid: a refusal is the flags'
+        flags = " ".join(f"--{k}={v}" for k, v in (("rope_scaling", rope_scaling),
+                                                   ("rope_factor", rope_factor)) if v)
+        args = rescale(model_args, rope_scaling, rope_factor)
+        try:
+            config = RoFormerConfig(**args)
+        except ValueError as e:
+            raise UserError(f"{flags} does not fit this model: {e}") from None
+    model = RoFormer(config)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # weights of another shape or another model file
+        raise UserError(misfit(ckpt_path, e)) from None
+    model.eval().to(device=device, dtype=getattr(torch, dtype))
+    sp = load_tokenizer(ckpt.get("tokenizer"), tokenizer)
+    if sp.get_piece_size() > model.config.vocab_size:
+        raise UserError(f"tokenizer has {sp.get_piece_size()} pieces, the model only "
+                        f"{model.config.vocab_size}")
+    return model, sp, ckpt
+
+
+def dataset_dir(ckpt):
+    """The folder of the run's dataset (val.bin, meta.json), for eval.py --split and export.py's
+    check. A run records the folder it read (config data_dir, an absolute path): that folder, or
+    a UserError saying it is gone; never another corpus. Older checkpoints hold the --data_dir
+    given ("" or relative: no record) and keep the old search: that data_dir, the tokenizer's
+    folder, data/<dataset> (None when none is there). Either way a folder whose tokenizer.model
+    is not the run's is refused: its val.bin holds another vocabulary's ids."""
+    info = ckpt.get("tokenizer") or {}
+    recorded = (ckpt.get("config") or {}).get("data_dir")
+    recorded = recorded if recorded and os.path.isabs(recorded) else None
+    candidates = [recorded] if recorded else [
+        info.get("data_dir"), os.path.dirname(info.get("path") or ""),
+        os.path.join(REPO, "data", str(info.get("dataset")))]
+    found = [d for d in candidates
+             if d and all(os.path.isfile(os.path.join(d, f)) for f in ("val.bin", "meta.json"))]
+    for d in found:
+        if not info.get("sha256") or tokenizer_sha256(d) == info["sha256"]:
+            return d  # (a run without tokenizer.model has nothing to check)
+    if found:
+        what = "missing" if tokenizer_sha256(found[0]) is None else "another"
+        raise UserError(f"{found[0]} is not the dataset this run read: its tokenizer.model is "
+                        f"{what} (the run's has sha256 {info['sha256'][:12]}...): prepared "
+                        f"again since, or another corpus")
+    if recorded:
+        raise UserError(f"the run read its data from {recorded}, which is gone (no val.bin and "
+                        f"meta.json there)")
+    return None
+
+
+def tokenizer_sha256(folder):
+    path = os.path.join(folder, "tokenizer.model")
+    return file_sha256(path) if os.path.isfile(path) else None
+
+
+def describe(out_dir, ckpt, model):
+    """One line about the loaded run, for stderr."""
+    c = model.config
+    p = next(model.parameters())
+    return (f"{os.path.join(out_dir, 'ckpt.pt')}: iter {ckpt.get('iter_num')}, val loss "
+            f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M params, "
+            f"{c.attention} attention, {c.pos_encoding} positions, rope_scaling {c.rope_scaling} "
+            f"x{c.rope_factor:g}; {p.device} {str(p.dtype).removeprefix('torch.')}")
+
+
+def rng_state():
+    """The process's global RNG states (torch, numpy, python) in a form weights_only loads."""
+    npst = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+            "python": list(random.getstate())}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["torch"])
+    np.random.set_state(tuple(saved["numpy"]))
+    random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
+
+
+# ----------------------------------------------------------------------------------------
+# writing
+
+def commit(path, ckpt):
+    """Write ckpt.pt atomically, then delete the DCP folder that the replaced ckpt.pt named (if
+    it names another one) and what crashed saves left. On a write error (a full disk) the temp
+    file goes and the previous ckpt.pt stays."""
+    out_dir = os.path.dirname(path) or "."
+    old = None
+    with contextlib.suppress(UserError):  # an unreadable old file names nothing to trust
+        old = read(path, mmap=True).get("sharded") if os.path.exists(path) else None
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+    try:
+        atomic_write(path, write, tmp=path + ".tmp")
+    except (OSError, RuntimeError) as e:  # torch's writer may hide the OSError behind its own
+        cause = e.__context__ if isinstance(e.__context__, OSError) else e
+        why = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
+        raise UserError(f"cannot write {path}: {why}; the previous checkpoint, if any, is "
+                        f"kept") from None
+    stale = [old] if old and old != ckpt.get("sharded") else []
+    stale += [f for f in os.listdir(out_dir) if f.endswith(".dcp.tmp")]  # crashed saves
+    for f in stale:
+        shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
+
+
+def save(path, meta, raw_model, optimizer, rank=0):
+    """Write the checkpoint `path` (out_dir/ckpt.pt): `meta` (iteration, RNG, config, ...) plus
+    the full model weights and the optimizer. Every rank calls it: an FSDP model's save is a
+    collective (lib/parallel.py); otherwise rank 0 writes. A UserError (one line) when it
+    cannot write; the previous checkpoint stays."""
+    if hasattr(raw_model, "reshard"):  # FSDP2's modules have it
+        from lib import parallel
+        return parallel.save_sharded(path, meta, raw_model, optimizer)
+    if rank == 0:  # the uncompiled module's state: no _orig_mod. prefixes
+        commit(path, dict(meta, model=raw_model.state_dict(), optimizer=optimizer.state_dict()))

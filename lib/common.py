@@ -1,0 +1,302 @@
+"""
+What every script shares: the one user-error type and the one place it becomes a line, the
+repo root, atomic writes, the config parser, and the device/dtype resolver. Imports nothing of
+the project, and torch only inside the functions that need it (data/'s workers import this).
+"""
+import ast
+import difflib
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a flag, a path, a file): one line `error: ...`, exit 1."""
+
+
+created_dirs = []  # folders this command made: a failure removes them again while empty
+
+
+def error_line(msg):
+    """The one place a user error ends: the line `error: msg`, and no empty folder this
+    command made left behind."""
+    for d in created_dirs:
+        if os.path.isdir(d) and not os.listdir(d):
+            os.rmdir(d)
+    return f"error: {msg}"
+
+
+def fail(msg):
+    sys.exit(error_line(msg))
+
+
+def excepthook(kind, value, tb):
+    """sys.excepthook of a script without a main (train.py): an uncaught UserError is its
+    line, and the interpreter exits 1 as for any uncaught exception."""
+    if issubclass(kind, UserError):
+        print(error_line(value), file=sys.stderr, flush=True)
+    else:
+        sys.__excepthook__(kind, value, tb)
+
+
+def cli(main, interrupted=130):
+    """A script's main(argv), with a UserError turned into its line (fail) and Ctrl-C into
+    exit `interrupted` (a code, or a message)."""
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(sys.argv[1:] if argv is None else argv)
+        except UserError as e:
+            fail(e)
+        except KeyboardInterrupt:
+            sys.exit(interrupted)
+    return run
+
+
+# ----------------------------------------------------------------------------------------
+# files: atomic writes (temp, fsync, rename, fsync the folder), the out_dir check, hashes
+
+def fsync(path):
+    """Flush a file, or a folder's entries (a rename survives a power loss only once its
+    folder is on disk too), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def publish(tmp, path):
+    """Rename the finished temp file or folder `tmp` to `path`, synced before and after. A
+    folder replaces the previous one only once the new one is complete."""
+    for name in os.listdir(tmp) if os.path.isdir(tmp) else ():
+        fsync(os.path.join(tmp, name))
+    fsync(tmp)
+    if os.path.isdir(tmp) and os.path.isdir(path):
+        os.rename(path, tmp + ".old")
+        os.rename(tmp, path)
+        remove(tmp + ".old")
+    else:
+        os.replace(tmp, path)
+    fsync(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write(path, write, check=None, tmp=None):
+    """write(tmp) fills a temp file or folder next to `path`; it is synced, checked (check(tmp)
+    returns a reason it is wrong, or None) and only then renamed to `path`. Whatever fails (a
+    full disk, the check), no temp is left and the previous `path` stays as it was. Returns the
+    check's reason (nothing renamed) or None; OSErrors are the caller's to word."""
+    tmp = tmp or os.path.join(os.path.dirname(os.path.abspath(path)),
+                              f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        for leftover in (tmp, tmp + ".old"):  # of a killed write that had this pid
+            remove(leftover)
+        write(tmp)
+        problem = check(tmp) if check else None
+        if problem is None:
+            publish(tmp, path)
+        return problem
+    except OSError:
+        if os.path.isdir(tmp + ".old") and not os.path.exists(path):
+            os.rename(tmp + ".old", path)
+        raise
+    finally:
+        remove(tmp)
+
+
+def make_out_dir(path, what="out_dir"):
+    """Create `path` if needed and prove now, before any long work, that files can be written
+    there. Returns True when this call created it (a failure removes it again while empty)."""
+    created = not os.path.isdir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if created:
+            created_dirs.append(path)
+        probe = os.path.join(path, f".write-probe.{os.getpid()}")
+        open(probe, "wb").close()
+        os.remove(probe)
+    except OSError as e:
+        if created and os.path.isdir(path) and not os.listdir(path):
+            os.rmdir(path)
+        raise UserError(f"cannot write to {what} {path}: {e.strerror or e}") from None
+    return created
+
+
+def file_sha256(path):
+    """A tokenizer's identity: train.py records it, sample.py checks it, so a retrained
+    tokenizer never silently turns ids into the wrong text."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------
+# configuration, nanoGPT style: a script's module-level defaults, then config files (plain
+# Python that assigns variables), then --key=value, in that order. A mistake is one line
+# that names the key.
+
+SCALARS = (bool, int, float, str, type(None))
+
+
+def unknown_key(key, known):
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return UserError(f"unknown config key '{key}'{hint}")
+
+
+def coerce(key, value, default):
+    """`value` checked against the type of the default; ints are accepted where floats are."""
+    if not isinstance(value, SCALARS):  # a tuple or list would otherwise pass unnoticed
+        raise UserError(f"config key '{key}' takes a single {type(default).__name__} value, "
+                        f"got {value!r} ({type(value).__name__})")
+    if default is None:
+        return value
+    if type(default) is float and type(value) is int:
+        return float(value)
+    if type(value) is not type(default):
+        raise UserError(f"config key '{key}' must be {type(default).__name__} (default "
+                        f"{default!r}), got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_value(key, text, default):
+    """The text after '='. For a string key it is the value exactly as typed (a quoted
+    docstring keeps its quotes, --start=42 is text); otherwise a Python literal (true/false
+    are accepted for booleans)."""
+    if isinstance(default, str):
+        return text
+    if isinstance(default, bool) and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if default is None:
+            return text
+        raise UserError(f"config key '{key}': cannot read {text!r} as a "
+                        f"{type(default).__name__}") from None
+
+
+def run_config_file(path):
+    """The names the config file `path` assigns; an error in it names the file and line."""
+    scope = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), scope)
+    except SyntaxError as e:
+        raise UserError(f"{path}, line {e.lineno}: syntax error: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {path}: {e}") from None
+    except Exception as e:  # raised while the file ran: the deepest line of that file
+        lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        where = f", line {lines[-1]}" if lines else ""
+        raise UserError(f"{path}{where}: {type(e).__name__}: {e}") from None
+    return scope
+
+
+def configure(defaults, argv):
+    """A copy of `defaults` (name -> scalar) updated by the config files and --key=value
+    arguments in `argv`."""
+    config, known = dict(defaults), sorted(defaults)
+    for arg in argv:
+        if not arg.startswith("--"):  # a config file
+            if not os.path.isfile(arg):
+                raise UserError(f"config file not found: {arg}")
+            for key, value in run_config_file(arg).items():
+                if key.startswith("_") or (key not in defaults and not isinstance(value, SCALARS)):
+                    continue  # __builtins__, imported modules, helper functions
+                try:
+                    if key not in defaults:
+                        raise unknown_key(key, known)
+                    config[key] = coerce(key, value, defaults[key])
+                except UserError as e:
+                    raise UserError(f"{arg}: {e}") from None
+            continue
+        key, eq, text = arg[2:].partition("=")
+        if key not in defaults:
+            raise unknown_key(key, known)
+        if not eq:  # a bare --flag sets a boolean
+            if not isinstance(defaults[key], bool):
+                raise UserError(f"config key '{key}' needs a value: --{key}=...")
+            config[key] = True
+            continue
+        config[key] = coerce(key, parse_value(key, text, defaults[key]), defaults[key])
+    return config
+
+
+# ----------------------------------------------------------------------------------------
+# the device and dtype every script runs in
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cpu_has_bf16():
+    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast is
+    several times faster than fp32; elsewhere it is emulated and slower."""
+    import torch
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:  # not Linux: be conservative
+        return False
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
+
+
+def cuda_autocast_dtype():
+    """"bfloat16" where the GPU computes bf16 natively (Ampere and later), else "float16" (with
+    a GradScaler when training). torch counts emulated bf16 as supported unless asked not to,
+    and on a T4 or V100 emulation is several times slower than fp16."""
+    import torch
+    try:
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # an older torch without the argument counted native support only
+        native = torch.cuda.is_bf16_supported()
+    return "bfloat16" if native else "float16"
+
+
+def pick_device(device="auto", dtype="auto", training=False):
+    """Resolve 'auto' and check the names before anything loads; returns (torch.device, dtype
+    name). Training also takes MPS, and bf16 autocast on a CPU that multiplies bf16 natively
+    (faster, same loss at equal steps; docs/SPEED.md); decoding stays float32 on the CPU."""
+    import torch
+    mps = getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if training and mps else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N, mps)") from None
+    n = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
+    if dev.type not in ("cpu", "cuda", "mps"):  # meta holds no data; others are untested here
+        raise UserError(f"device={device!r} is not supported (auto, cpu, cuda, cuda:N, mps)")
+    if dev.type == "cuda" and not n:
+        raise UserError(f"device={device!r} but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= n:
+        raise UserError(f"device={device!r} but this machine has {n} CUDA device(s) (cuda:0 to "
+                        f"cuda:{n - 1})")
+    if dev.type == "mps" and not mps:
+        raise UserError(f"device={device!r} but MPS (Apple's GPU backend) is not available")
+    if dtype == "auto":
+        dtype = (cuda_autocast_dtype() if dev.type == "cuda"  # bf16 where native, else fp16
+                 else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16() else "float32")
+    if dtype not in DTYPES:
+        raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    if training and dtype == "float16" and dev.type != "cuda":
+        raise UserError("dtype=float16 needs CUDA (its GradScaler); use bfloat16 or float32")
+    if training and dtype == "bfloat16" and dev.type == "cpu" and not cpu_has_bf16():
+        print("warning: this CPU has no native bf16 matmul; bfloat16 will be emulated and slow")
+    return dev, dtype
