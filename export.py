@@ -8,15 +8,13 @@ file that llama.cpp, ollama and LM Studio run (lib/gguf.py).
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
     python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
 
-The folder holds config.json, generation_config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json. It is written next to its place, loaded back there with transformers and
-checked (the same logits as ours on a random block, the same token ids as sentencepiece on the
-run's own validation text; --check=False skips that, it is what needs transformers), and only
-then renamed into place, so a failed export (a full disk, a failed check) leaves the previous
-export, if any, as it was. A GGUF file is read back with gguf's reader (every key and tensor)
-and, where llama-cpp-python is installed, run by llama.cpp and compared with our model, also
-before its rename. What neither format maps (a config field, a state-dict key or shape, a
-module: see refusal) is refused in one line before anything is written.
+Either export is written next to its place, loaded back and checked there (transformers: the
+same logits as ours on random blocks and the same ids as sentencepiece on the run's validation
+text; GGUF: every key and tensor read back, and run by llama.cpp where llama-cpp-python is
+installed; --check=False skips the loading), and only then renamed into place, so a failed
+export leaves the previous one, if any, as it was. What neither format maps (a config field, a
+state-dict key or shape, a module: see refusal) is refused in one line before anything is
+written.
 """
 import dataclasses
 import fnmatch
@@ -56,11 +54,11 @@ def need(module, package=None):
         raise UserError(f"export.py needs the '{package}' package: pip install {package}") from None
 
 
-# The exports' allow-list: every RoFormerConfig field with the values both exports map
-# (ANY: every value the config accepts; UNUSED: read only by models refused here, linear
-# attention and the relative baselines). A field model.py gains later is not listed, so a model
-# that has one is refused until an export learns to map it; likewise any state-dict key or
-# shape that expected_shapes does not list.
+# The allow-list of both exports (the same model in both formats): every RoFormerConfig field
+# with the values they map (ANY: every value the config accepts; UNUSED: read only by models
+# refused here, linear attention and the relative baselines). A field model.py gains later is
+# not listed, so a model that has one is refused until the exports learn to map it; likewise
+# any state-dict key or shape that expected_shapes does not list.
 ANY, UNUSED = "any", "unused"
 MAPPED_FIELDS = {
     "vocab_size": ANY, "block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
@@ -69,7 +67,6 @@ MAPPED_FIELDS = {
     "feature_map": UNUSED, "linear_chunk": UNUSED, "linear_norm": UNUSED, "rel_clip": UNUSED,
     "t5_buckets": UNUSED, "t5_max_distance": UNUSED,
 }
-EXPORT_FIELDS = {"hf": MAPPED_FIELDS, "gguf": MAPPED_FIELDS}  # the same model in both formats
 
 
 def config_refusal(c, kind):
@@ -81,15 +78,14 @@ def config_refusal(c, kind):
         return (f"pos_encoding={c.pos_encoding!r}: GPT-NeoX knows positions only through RoPE, "
                 f"so only pos_encoding='rope' exports (learned positions are not exported as "
                 f"GPT-2 either)")
-    mapped = EXPORT_FIELDS[kind]
     names = [f.name for f in dataclasses.fields(c)] if dataclasses.is_dataclass(c) else list(vars(c))
     for name in names:
-        value = getattr(c, name)
-        if name not in mapped:
+        value, allowed = getattr(c, name), MAPPED_FIELDS.get(name)
+        if allowed is None:
             return f"config field {name}={value!r} is not one the {kind} export maps"
-        if isinstance(mapped[name], tuple) and value not in mapped[name]:
-            return f"config field {name}={value!r}: the {kind} export maps only {mapped[name]}"
-    missing = [n for n, allowed in mapped.items() if allowed != UNUSED and n not in names]
+        if isinstance(allowed, tuple) and value not in allowed:
+            return f"config field {name}={value!r}: the {kind} export maps only {allowed}"
+    missing = [n for n, allowed in MAPPED_FIELDS.items() if allowed != UNUSED and n not in names]
     return f"the config has no field {missing[0]}, which the {kind} export reads" if missing else None
 
 
@@ -160,33 +156,22 @@ def neox_config(c, eos_id, torch_dtype):
         context = int(c.block_size * c.rope_factor)
     rope = dict(scaling or {"rope_type": "default"}, rope_theta=theta, partial_rotary_factor=1.0)
     return {
-        "architectures": ["GPTNeoXForCausalLM"],
-        "model_type": "gpt_neox",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "intermediate_size": 4 * c.n_embd,
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+        "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head, "intermediate_size": 4 * c.n_embd,
         "hidden_act": "gelu",                # exact (erf) GELU, as F.gelu
         "layer_norm_eps": 1e-5,              # nn.LayerNorm's default
         "use_parallel_residual": False,      # x + attn(ln1(x)), then + mlp(ln2(.))
         "attention_bias": True,              # zeros when we train bias-free (see neox_weights)
         "tie_word_embeddings": True,
         "max_position_embeddings": context,  # RoPE runs past it; this is what was trained for
-        "rotary_pct": 1.0,
-        "rotary_emb_base": theta,
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "rope_parameters": rope,
-        "attention_dropout": c.dropout,
-        "hidden_dropout": c.dropout,
-        "initializer_range": 0.02,
-        "use_cache": True,
+        "rotary_pct": 1.0, "rotary_emb_base": theta, "rope_theta": theta,
+        "rope_scaling": scaling, "rope_parameters": rope,
+        "attention_dropout": c.dropout, "hidden_dropout": c.dropout,
+        "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": None,                # documents start after EOS; BOS is never trained
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "torch_dtype": torch_dtype,
-        "dtype": torch_dtype,
+        "eos_token_id": eos_id, "pad_token_id": None,
+        "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
 
 
@@ -202,32 +187,22 @@ def neox_weights(model, dtype):
     state = {k: v.detach().to(dtype=torch.float32, device="cpu")
              for k, v in model.state_dict().items()}
 
-    def bias(name, n):
-        return state.get(name, torch.zeros(n))
+    def add(ours, theirs):  # a weight and its bias (zeros where we have none)
+        w = out[theirs + ".weight"] = state[ours + ".weight"]
+        out[theirs + ".bias"] = state.get(ours + ".bias", torch.zeros(w.shape[0]))
 
     out = {"gpt_neox.embed_in.weight": state["wte.weight"],
-           "gpt_neox.final_layer_norm.weight": state["ln_f.weight"],
-           "gpt_neox.final_layer_norm.bias": bias("ln_f.bias", C),
            "embed_out.weight": state["wte.weight"].clone()}
+    add("ln_f", "gpt_neox.final_layer_norm")
     for i in range(c.n_layer):
         ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
-        qkv_w = state[ours + "attn.c_attn.weight"].view(3, H, D, C).transpose(0, 1)
-        qkv_w = qkv_w.reshape(3 * C, C)
-        qkv_b = bias(ours + "attn.c_attn.bias", 3 * C).view(3, H, D).transpose(0, 1).reshape(3 * C)
-        out.update({
-            theirs + "input_layernorm.weight": state[ours + "ln_1.weight"],
-            theirs + "input_layernorm.bias": bias(ours + "ln_1.bias", C),
-            theirs + "attention.query_key_value.weight": qkv_w,
-            theirs + "attention.query_key_value.bias": qkv_b,
-            theirs + "attention.dense.weight": state[ours + "attn.c_proj.weight"],
-            theirs + "attention.dense.bias": bias(ours + "attn.c_proj.bias", C),
-            theirs + "post_attention_layernorm.weight": state[ours + "ln_2.weight"],
-            theirs + "post_attention_layernorm.bias": bias(ours + "ln_2.bias", C),
-            theirs + "mlp.dense_h_to_4h.weight": state[ours + "mlp.c_fc.weight"],
-            theirs + "mlp.dense_h_to_4h.bias": bias(ours + "mlp.c_fc.bias", 4 * C),
-            theirs + "mlp.dense_4h_to_h.weight": state[ours + "mlp.c_proj.weight"],
-            theirs + "mlp.dense_4h_to_h.bias": bias(ours + "mlp.c_proj.bias", C),
-        })
+        for a, b in (("ln_1", "input_layernorm"), ("attn.c_attn", "attention.query_key_value"),
+                     ("attn.c_proj", "attention.dense"), ("ln_2", "post_attention_layernorm"),
+                     ("mlp.c_fc", "mlp.dense_h_to_4h"), ("mlp.c_proj", "mlp.dense_4h_to_h")):
+            add(ours + a, theirs + b)
+        qkv = theirs + "attention.query_key_value."
+        out[qkv + "weight"] = out[qkv + "weight"].view(3, H, D, C).transpose(0, 1).reshape(3 * C, C)
+        out[qkv + "bias"] = out[qkv + "bias"].view(3, H, D).transpose(0, 1).reshape(3 * C)
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
@@ -378,42 +353,29 @@ def write_folder(path, files, check=None):
         raise UserError(problem)
 
 
-def hf_files(model, sp, dtype):
-    """The HF folder's files as {name: bytes}."""
-    st = need("safetensors.torch")
-    conf = neox_config(model.config, sp.eos_id(), dtype)
+def export_hf(cfg, model, sp, text):
+    path = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
+    check_replaceable(path)
+    conf = neox_config(model.config, sp.eos_id(), cfg["dtype"])
     gen = {"eos_token_id": sp.eos_id(), "pad_token_id": sp.eos_id(), "do_sample": True,
            "temperature": 0.8, "top_k": 200}  # sample.py's defaults
     docs = {"config.json": conf, "generation_config.json": gen,
             "tokenizer_config.json": tokenizer_config(sp, conf["max_position_embeddings"])}
     files = {name: (json.dumps(obj, indent=2) + "\n").encode() for name, obj in docs.items()}
     files["tokenizer.json"] = hf_tokenizer(sp).to_str().encode()
-    weights = neox_weights(model, getattr(torch, dtype))
-    files["model.safetensors"] = st.save(weights, metadata={"format": "pt"})
-    return files
+    weights = neox_weights(model, getattr(torch, cfg["dtype"]))
+    files["model.safetensors"] = need("safetensors.torch").save(weights, metadata={"format": "pt"})
 
-
-def hf_check(folder, model, sp, text, dtype):
-    """export.py's own check of the folder before it goes into place: the check line, and the
-    reason it fails or None."""
-    c = model.config
-    diff, bad, n = check_export(folder, model, sp, text, getattr(torch, dtype))
-    print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
-          f"blocks of {c.block_size}; token ids equal to sentencepiece on {n - bad}/{n} texts",
-          file=sys.stderr)
-    if bad or diff > 1e-3:
-        return ("the exported model or tokenizer does not match this run (see the check line "
-                "above); nothing was written")
-    return None
-
-
-def export_hf(cfg, model, sp, text):
-    path = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
-    check_replaceable(path)
-    files = hf_files(model, sp, cfg["dtype"])
-    conf = json.loads(files["config.json"])
-    write_folder(path, files, (lambda folder: hf_check(folder, model, sp, text, cfg["dtype"]))
-                 if cfg["check"] else None)
+    def check(folder):
+        diff, bad, n = check_export(folder, model, sp, text, getattr(torch, cfg["dtype"]))
+        print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
+              f"blocks of {model.config.block_size}; token ids equal to sentencepiece on "
+              f"{n - bad}/{n} texts", file=sys.stderr)
+        if bad or diff > 1e-3:
+            return ("the exported model or tokenizer does not match this run (see the check "
+                    "line above); nothing was written")
+        return None
+    write_folder(path, files, check if cfg["check"] else None)
     print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
           f"({cfg['dtype']}, {len(files['model.safetensors']) / 1e6:.1f} MB), rope_theta "
           f"{conf['rope_theta']:g}, tokenizer {sp.get_piece_size()} pieces, eos "
