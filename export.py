@@ -223,9 +223,8 @@ def sentencepiece_proto(sp):
         # sentencepiece tokenizer merges pairs the BPE way, so it would differ more
         raise UserError("only bpe and char sentencepiece tokenizers are exported (the default "
                         "ones); a unigram tokenizer would give different ids on runs of spaces")
-    custom = norm.name not in ("identity", "") or norm.add_dummy_prefix or \
-        norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix
-    if custom:  # data/tokenizer.py never trains these
+    if norm.name not in ("identity", "") or norm.add_dummy_prefix or \
+            norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix:  # never trained here
         raise UserError(f"the tokenizer was trained with normalization {norm.name!r}, "
                         f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
                         f"{norm.remove_extra_whitespaces}; export handles identity/False/False "
@@ -279,11 +278,8 @@ def tokenizer_config(sp, context):
     end-of-document piece, as GPT-NeoX models do, on the left, so that a batch of prompts of
     different lengths all continue from their last token (`pipeline(..., batch_size=2)`)."""
     eos = sp.id_to_piece(sp.eos_id())
-    return {"tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": eos,
-            "pad_token": eos,
-            "padding_side": "left",
-            "unk_token": sp.id_to_piece(sp.unk_id()),
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
+            "padding_side": "left", "unk_token": sp.id_to_piece(sp.unk_id()),
             "split_special_tokens": True,           # "<s>" typed in text stays text
             "clean_up_tokenization_spaces": False,  # decode gives back the exact text
             "add_bos_token": False, "add_eos_token": False,
@@ -294,8 +290,8 @@ def tokenizer_config(sp, context):
 
 def check_export(path, model, sp, text, dtype):
     """Load the folder with transformers and compare with our model (whose weights are rounded
-    here to the exported dtype; both compute in float32) and tokenizer. Returns (max |logit difference|
-    on two random blocks, texts tokenized differently, texts compared)."""
+    here to the exported dtype; both compute in float32) and tokenizer. Returns (max |logit
+    difference| on two random blocks, texts tokenized differently, texts compared)."""
     transformers = need("transformers")
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -304,7 +300,8 @@ def check_export(path, model, sp, text, dtype):
     with torch.no_grad():  # round the weights in place to what the file holds (not via
         for p in model.parameters():  # model.to(dtype): that would round the RoPE tables too)
             p.copy_(p.to(dtype))
-    idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
     with torch.no_grad():
         diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
     texts = text.split("\n") + [text]
@@ -329,11 +326,11 @@ def check_replaceable(path):
     """Refuse before writing anything when `path` holds something export would destroy."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{path} exists and is not a folder")
-    if os.path.isdir(path):
-        other = sorted(set(os.listdir(path)) - set(HF_FILES) - {".model.safetensors.tmp"})
-        if other:
-            raise UserError(f"{path} holds files an export did not write ({', '.join(other[:3])}); "
-                            f"export replaces the whole folder, so pass an empty or new --hf_dir")
+    other = sorted(set(os.listdir(path)) - set(HF_FILES) - {".model.safetensors.tmp"}) \
+        if os.path.isdir(path) else []
+    if other:
+        raise UserError(f"{path} holds files an export did not write ({', '.join(other[:3])}); "
+                        f"export replaces the whole folder, so pass an empty or new --hf_dir")
 
 
 def write_folder(path, files, check=None):
@@ -424,10 +421,7 @@ def run_file(path):
 
 
 def export_gguf(cfg, model, sp, proto, text):
-    """--gguf: the file written under a temp name next to its place, synced, read back and
-    checked key by key and tensor by tensor, where llama-cpp-python is installed run by
-    llama.cpp and compared with our model, and only then renamed into place: a failure or a
-    failed check leaves no file and the previous one, if any, as it was."""
+    """--gguf: written beside its place, synced, read back and checked (module docstring)."""
     from lib import gguf  # only here: it imports the optional gguf package
     path, kind = cfg["gguf"], cfg["gguf_type"]
     name = os.path.basename(os.path.abspath(cfg["out_dir"]))
