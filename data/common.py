@@ -5,11 +5,9 @@ command-line options the scripts share. The stages, one module each, import only
     sources.py -> documents.py -> tokenizer.py -> workers.py -> split.py -> write.py
     (shared.py, below them all: the special ids, small helpers; lib/common.py: the error type)
 
-A corpus is a list of sources read in order: text files (a file is a document; a corpus of a
-single text file is split into paragraphs), .jsonl / .jsonl.gz (a record is a document),
-.parquet (a row is a document), or documents held in memory (see documents.py). Everything
-streams, so memory does not grow with the corpus and the output does not depend on the number
-of workers. `prepare()` reads the corpus twice:
+A corpus is a list of sources read in order (documents.py: what a document of each kind is).
+Everything streams, so memory does not grow with the corpus and the output does not depend on
+the number of workers. `prepare()` reads the corpus twice:
   1. scan: validate every record, hash the input files, count documents and bytes, and draw
      the tokenizer's training sample (tokenizer.py);
   2. encode every document into one token file, each followed by the end-of-document id.
@@ -25,7 +23,7 @@ import time
 import numpy as np
 
 from data import workers
-from data.documents import tasks, text_fields
+from data.documents import FIELD_HINT, tasks, text_fields
 from data.shared import BOS_ID, EOS_ID, UNK_ID, dtype_for_vocab, tqdm
 from data.split import split_tokens
 from data.tokenizer import TokenizerSample, load_tokenizer, train_tokenizer
@@ -52,12 +50,10 @@ def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_toke
     if vocab_size and vocab_size < 261:
         raise UserError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
                         f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
-    if min_val_tokens < 1:
-        raise UserError(f"min_val_tokens must be at least 1, not {min_val_tokens}")
-    if num_proc < 1:
-        raise UserError(f"num_proc must be at least 1, not {num_proc}")
-    if sample_bytes < 1:
-        raise UserError(f"sample_bytes must be at least 1, not {sample_bytes}")
+    for name, value in (("min_val_tokens", min_val_tokens), ("num_proc", num_proc),
+                        ("sample_bytes", sample_bytes)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, not {value}")
 
 
 def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
@@ -81,11 +77,8 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     bar.close()
     for si, (docs, _, _, no_field) in per_source.items():
         if no_field and not docs and si not in skipped:  # --undecodable=skip cannot fix that
-            raise UserError(
-                f"{sources[si][2]}: none of its records has the field "
-                f"{' or '.join(map(repr, settings['text_fields']))}; pass --text_field=NAME "
-                f"with the field its records use (several names, the first present wins: "
-                f"--text_field=text,content)")
+            raise UserError(f"{sources[si][2]}: none of its records has the field "
+                            f"{' or '.join(map(repr, settings['text_fields']))}; {FIELD_HINT}")
     kept = [per_source[si] for si in per_source if si not in skipped]
     docs, total_bytes, skipped_records, _ = (int(x) for x in sum(kept, np.zeros(4, np.int64)))
     sha = hashlib.sha256()

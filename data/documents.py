@@ -21,6 +21,8 @@ PIECE_CHARS = 1 << 20     # longer documents are encoded in pieces cut at line e
 PARAGRAPH_SEP = re.compile(r"(\n(?:[ \t\r\f\v]*\n)+)")
 SKIP_HINT = "; pass --undecodable=skip to leave such {} out"
 NO_FIELD = "has no field"  # how a record without any of the text fields is described
+FIELD_HINT = ("pass --text_field=NAME with the field its records use (several names, the first "
+              "present wins: --text_field=text,content)")
 
 
 def text_fields(spec):
@@ -108,8 +110,7 @@ def problem_message(where, problem, hint):
     """The one-line error for a bad record: a missing field names --text_field first."""
     msg = f"{where}: the record {problem}"
     if problem.startswith(NO_FIELD):
-        msg += ("; pass --text_field=NAME with the field its records use (several names, "
-                "the first present wins: --text_field=text,content)")
+        msg += "; " + FIELD_HINT
     return msg + (SKIP_HINT.format("records") if hint else "")
 
 

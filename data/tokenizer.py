@@ -80,30 +80,32 @@ def train_tokenizer(lines, vocab_size, model_type):
     )
     if model_type == "char" and not vocab_size:
         # Every character of the sample, the 256 byte pieces, unk/bos/eos and "\n".
-        chars = set()
-        for line in lines:
-            chars.update(line)
-        settings["vocab_size"] = len(chars) + 256 + 4
+        settings["vocab_size"] = len(set().union(*lines)) + 256 + 4
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
                                        num_threads=TRAINER_THREADS, minloglevel=2, **settings)
     except RuntimeError as e:
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-        m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
-        if m:
-            raise UserError(f"vocab_size {m.group(1)} is too small for this corpus: its "
-                            f"characters and the special and byte pieces need {m.group(2)}; "
-                            f"pass a larger --vocab_size")
-        m = re.search(r"value <= (\d+)", msg)
-        if "Vocabulary size" in msg:
-            limit = f" (at most {m.group(1)} here)" if m else ""
-            raise UserError(f"vocab_size {settings['vocab_size']} is too large for this "
-                            f"corpus{limit}; pass a smaller --vocab_size")
-        raise UserError(f"sentencepiece failed: {msg}")
+        raise trainer_error(e, settings["vocab_size"])
     settings["user_defined_symbols"] = ["\\n"]  # readable in meta.json
     settings["trainer_threads"] = TRAINER_THREADS
     return model.getvalue(), settings
+
+
+def trainer_error(e, vocab_size):
+    """sentencepiece's RuntimeError as the UserError that says which --vocab_size to pass."""
+    msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+    m = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", msg)
+    if m:
+        return UserError(f"vocab_size {m.group(1)} is too small for this corpus: its characters "
+                         f"and the special and byte pieces need {m.group(2)}; pass a larger "
+                         f"--vocab_size")
+    if "Vocabulary size" in msg:
+        m = re.search(r"value <= (\d+)", msg)
+        limit = f" (at most {m.group(1)} here)" if m else ""
+        return UserError(f"vocab_size {vocab_size} is too large for this corpus{limit}; pass a "
+                         f"smaller --vocab_size")
+    return UserError(f"sentencepiece failed: {msg}")
 
 
 def load_tokenizer(model_bytes_or_path):

@@ -10,9 +10,8 @@ into the same ids as sentencepiece. The file is written here, directly, because 
 converter reads only HF folders and refuses (or mis-tokenizes) ours: it would treat our
 tokenizer.json as a byte-level BPE whose pre-tokenizer it does not recognise.
 
-export.py decides what may be exported and where the file goes; this module turns a model and
-its tokenizer into metadata and tensors, writes them, reads them back, and compares the file as
-llama.cpp runs it with our model.
+export.py decides what may be exported and where; this module turns a model and its tokenizer
+into metadata and tensors, writes and reads them back, and compares llama.cpp's run with ours.
 """
 import sys
 
@@ -49,13 +48,10 @@ def vocabulary(proto, vocab_size):
              sp_kind.CONTROL: gguf.TokenType.CONTROL, sp_kind.BYTE: gguf.TokenType.BYTE,
              sp_kind.USER_DEFINED: gguf.TokenType.USER_DEFINED,
              sp_kind.UNUSED: gguf.TokenType.UNUSED}
-    pieces = [p.piece for p in proto.pieces]
-    scores = [float(p.score) for p in proto.pieces]
-    types = [int(kinds[p.type]) for p in proto.pieces]
-    for i in range(len(pieces), vocab_size):  # rows the model has and the tokenizer never emits
-        pieces.append(f"[PAD{i}]")
-        scores.append(0.0)
-        types.append(int(gguf.TokenType.UNUSED))
+    pad = range(len(proto.pieces), vocab_size)  # rows the model has, the tokenizer never emits
+    pieces = [p.piece for p in proto.pieces] + [f"[PAD{i}]" for i in pad]
+    scores = [float(p.score) for p in proto.pieces] + [0.0] * len(pad)
+    types = [int(kinds[p.type]) for p in proto.pieces] + [int(gguf.TokenType.UNUSED)] * len(pad)
     return pieces, scores, types
 
 
@@ -108,8 +104,7 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
 def tensor_names(n_layer):
     """{our state-dict name without .weight/.bias: llama.cpp's gptneox name without them}. The
     output head is tied to wte, so `output` is written from wte (see gguf_tensors)."""
-    names = gguf.TENSOR_NAMES
-    M = gguf.MODEL_TENSOR
+    names, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     out = {"wte": names[M.TOKEN_EMBD], "ln_f": names[M.OUTPUT_NORM]}
     for i in range(n_layer):
         for ours, theirs in (("ln_1", M.ATTN_NORM), ("attn.c_attn", M.ATTN_QKV),
