@@ -333,21 +333,28 @@ def check_replaceable(path):
                         f"export replaces the whole folder, so pass an empty or new --hf_dir")
 
 
+def write_checked(path, write, check=None):
+    """write(tmp) beside `path`, checked there (check(tmp) -> a reason it is wrong, or None) and
+    only then renamed into place (lib/common.atomic_write), so a failure at any point (a full
+    disk, a failed check) leaves the previous export, if any, as it was."""
+    try:
+        problem = atomic_write(path, write, check)
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or (f"{e} (a short write: is the disk full?)"
+                                                   if isinstance(e, OSError) else e)
+        problem = f"cannot write {path}: {reason}"
+    if problem:
+        raise UserError(problem)
+
+
 def write_folder(path, files, check=None):
-    """files {name: bytes} -> the folder `path`, atomically (lib/common.atomic_write): checked
-    there first (check(folder) -> a reason it is wrong, or None), so a failure at any point (a
-    full disk, a failed check) leaves the previous export, if any, as it was."""
+    """files {name: bytes} -> the folder `path` (write_checked)."""
     def write(tmp):
         os.mkdir(tmp)
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
-    try:
-        problem = atomic_write(path, write, check)
-    except OSError as e:
-        problem = f"cannot write {path}: {e.strerror or e}"
-    if problem:
-        raise UserError(problem)
+    write_checked(path, write, check)
 
 
 def export_hf(cfg, model, sp, text):
@@ -437,14 +444,7 @@ def export_gguf(cfg, model, sp, proto, text):
             return ("llama.cpp's tokenizer or logits do not match this run (see the check line "
                     "above); nothing was written")
         return None
-    try:
-        problem = atomic_write(path, lambda tmp: gguf.write_gguf(tmp, metadata, tensors), check)
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "strerror", None) or (f"{e} (a short write: is the disk full?)"
-                                                   if isinstance(e, OSError) else e)
-        problem = f"cannot write {path}: {reason}"
-    if problem:
-        raise UserError(problem)
+    write_checked(path, lambda tmp: gguf.write_gguf(tmp, metadata, tensors), check)
     kept_f16 = sum(t[1].name == "F16" for t in tensors.values()) if kind == "q8_0" else 0
     print(f"wrote {path}: gguf {gguf.ARCH}, {model.num_params() / 1e6:.2f}M params ({kind}"
           f"{f', {kept_f16} tensors f16 (rows not a multiple of 32)' if kept_f16 else ''}, "
