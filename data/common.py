@@ -143,9 +143,10 @@ def split_budget(total, val_fraction, val_tokens, min_val_tokens):
     return budget
 
 
-def build_tokenizer(corpus, sample_bytes, vocab_size, model_type, seed, log):
+def build_tokenizer(corpus, options, log):
     """The tokenizer trained on the scan's sample: (model bytes, its processor, meta.json's
     description of it)."""
+    vocab_size, model_type = options["vocab_size"], options["model_type"]
     lines = corpus.pop("sample").lines(corpus["skipped"])
     sample_size = sum(len(line.encode("utf-8")) for line in lines)
     log(f"training {model_type} tokenizer (vocab {vocab_size or 'auto'}) on a "
@@ -154,21 +155,21 @@ def build_tokenizer(corpus, sample_bytes, vocab_size, model_type, seed, log):
     sp = load_tokenizer(model_bytes)
     settings.update(vocab_size=sp.get_piece_size(),
                     sha256=hashlib.sha256(model_bytes).hexdigest(), sample_bytes=sample_size,
-                    sample_seed=seed)
+                    sample_seed=options["seed"])
     return model_bytes, sp, settings
 
 
-def dataset_meta(name, source, sources, corpus, sp, tok_settings, split, options):
+def dataset_meta(sources, corpus, sp, tok_settings, split, options):
     """meta.json: what train/eval/export read (vocab, dtype, ids, token counts) and how the
     dataset was made (source, hash, split rule, tokenizer settings)."""
     vocab_size = sp.get_piece_size()
     return {
-        "name": name, "vocab_size": vocab_size, "dtype": dtype_for_vocab(vocab_size),
+        "name": options["name"], "vocab_size": vocab_size, "dtype": dtype_for_vocab(vocab_size),
         "eos_id": EOS_ID, "bos_id": BOS_ID, "unk_id": UNK_ID, "newline_id": sp.piece_to_id("\n"),
         "train_tokens": split["train_tokens"], "val_tokens": split["val_tokens"],
         "documents": corpus["docs"], "train_docs": split["train_docs"],
         "val_docs": split["val_docs"], "cut_documents": split["cut"],
-        "source": source, "source_files": len(sources) - len(corpus["skipped"]),
+        "source": options["source"], "source_files": len(sources) - len(corpus["skipped"]),
         "source_bytes": corpus["bytes"], "source_sha256": corpus["sha256"],
         "source_hash_of": "sha256 over 'name NUL sha256(file bytes) LF' of each input in "
                           "order (for documents held in memory: of each text + NUL)",
@@ -191,9 +192,7 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
     """Tokenizer, pass 2 and the split into the temp files; returns (meta.json's dict, the
     figures the last log line reports)."""
     t0 = time.time()
-    model_bytes, sp, tok_settings = build_tokenizer(corpus, options["sample_bytes"],
-                                                    options["vocab_size"],
-                                                    options["model_type"], options["seed"], log)
+    model_bytes, sp, tok_settings = build_tokenizer(corpus, options, log)
     dtype = np.dtype(dtype_for_vocab(sp.get_piece_size()))
     log(f"tokenizer trained in {time.time() - t0:.1f}s, {sp.get_piece_size()} pieces")
 
@@ -219,9 +218,7 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
                  budget=budget, total=total)
     figures["split_s"] = time.time() - t0
     write_tokenizer(tmps, model_bytes, sp)
-    meta = dataset_meta(options["name"], options["source"], sources, corpus, sp, tok_settings,
-                        split, options)
-    return meta, figures
+    return dataset_meta(sources, corpus, sp, tok_settings, split, options), figures
 
 
 def os_error_message(e, out_dir):
