@@ -398,16 +398,6 @@ class RoFormer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - (self.wpe.weight.numel() if non_embedding and self.wpe is not None else 0)
 
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token at length seq_len: 6 per parameter, plus attention."""
-        c = self.config
-        if c.attention == "softmax":  # q.k and att.v over seq_len keys, no causal discount
-            attn = 2 * 2 * seq_len * c.n_embd
-        else:  # two causal chunk (L x L) products, plus the state's read and update
-            length, d = min(c.linear_chunk, seq_len), c.n_embd // c.n_head
-            attn = 2 * c.n_embd * (2 * length + 2 * d)
-        return 6 * self.num_params() + 3 * c.n_layer * attn
-
 
 def baseline_tables(owner, cfg, scope):
     """Construction hook: an ablation baseline's learned tables on `owner` (scope "model":
