@@ -9,6 +9,23 @@ import math
 import torch
 import torch.nn as nn
 
+from model import RELATIVE
+
+
+def check(cfg):
+    """RoFormerConfig's checks of the baselines' settings (called when pos_encoding != "rope")."""
+    pe = cfg.pos_encoding
+    for wrong, why in [
+        (cfg.attention == "linear" and pe in RELATIVE, f"pos_encoding={pe!r} biases the "
+         "attention scores, which linear attention never forms: use attention='softmax'"),
+        (cfg.t5_max_distance <= cfg.t5_buckets // 2, "t5_max_distance must exceed the "
+         f"t5_buckets // 2 = {cfg.t5_buckets // 2} exact buckets"),
+        (pe == "sinusoidal" and cfg.n_embd % 2, "sinusoidal positions need an even n_embd"),
+        (cfg.rope_scaling != "none" or cfg.rope_factor != 1, "rope_scaling and rope_factor "
+         f"rescale RoPE's angles, and pos_encoding={pe!r} has none")]:
+        if wrong:
+            raise ValueError(why)
+
 
 def add_tables(owner, cfg, scope):
     """Construction hook: a baseline's learned tables on `owner`, None where it has none.
