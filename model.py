@@ -26,8 +26,7 @@ class RoFormerConfig:
     rope_base: float = 10000.0
     attention: str = "softmax"    # "softmax" | "linear"
     feature_map: str = "elu"      # linear attention only: "elu" (elu+1) | "relu"
-    pos_encoding: str = "rope"    # "rope" | baselines: "learned" | "sinusoidal" | "none" |
-                                  # "shaw" | "t5" | "alibi" (relative biases, softmax only)
+    pos_encoding: str = "rope"    # or a baseline: learned, sinusoidal, none, shaw, t5, alibi
     linear_chunk: int = 64        # chunk length of the causal linear-attention kernel
     linear_norm: bool = False     # RMS-normalise each linear-attention head's output
     rope_scaling: str = "none"    # context extension at inference: "none" | "linear" | "ntk"
