@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
-Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19);
-4. decoding caches; 5. the transformer, whose position hooks reach the ablations' baselines
-(lib/baselines.py, imported only when pos_encoding is not "rope"). Decoding: sample.py."""
+Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
+decoding caches (driven by sample.py); 5. the transformer, whose position hooks reach the
+ablation baselines in lib/baselines.py, imported only when pos_encoding is not "rope"."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,8 +26,7 @@ class RoFormerConfig:
     rope_base: float = 10000.0
     attention: str = "softmax"    # "softmax" | "linear"
     feature_map: str = "elu"      # linear attention only: "elu" (elu+1) | "relu"
-    pos_encoding: str = "rope"    # "rope" | baselines: "learned" | "sinusoidal" | "none" |
-                                  # "shaw" | "t5" | "alibi" (relative biases, softmax only)
+    pos_encoding: str = "rope"    # or a baseline: learned, sinusoidal, none, shaw, t5, alibi
     linear_chunk: int = 64        # chunk length of the causal linear-attention kernel
     linear_norm: bool = False     # RMS-normalise each linear-attention head's output
     rope_scaling: str = "none"    # context extension at inference: "none" | "linear" | "ntk"
@@ -50,31 +49,27 @@ class RoFormerConfig:
                               "rope_scaling": ("none", "linear", "ntk")}.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        pe, hd, scaled = self.pos_encoding, self.n_embd // self.n_head, self.rope_factor != 1
+        rope, hd = self.pos_encoding == "rope", self.n_embd // self.n_head
+        if not rope:  # a baseline's own settings, checked where the baselines live
+            from lib.baselines import check
+            check(self)
         for wrong, why in [
-            (self.attention == "linear" and pe in RELATIVE, f"pos_encoding={pe!r} biases the "
-             "attention scores, which linear attention never forms: use attention='softmax'"),
-            (self.t5_max_distance <= self.t5_buckets // 2, "t5_max_distance must exceed the "
-             f"t5_buckets // 2 = {self.t5_buckets // 2} exact buckets"),
             (self.n_embd % self.n_head, f"n_embd {self.n_embd} must be divisible by n_head"),
-            (pe == "rope" and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
-            (pe == "rope" and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises "
-             f"the base to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
-            (pe == "sinusoidal" and self.n_embd % 2, "sinusoidal positions need an even n_embd"),
+            (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
+            (rope and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
+             f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
             (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
             (self.rope_base <= 1.0 or self.rope_factor < 1.0, "rope_base must be > 1 and "
              f"rope_factor >= 1, got {self.rope_base} and {self.rope_factor}"),
-            (pe != "rope" and (self.rope_scaling != "none" or scaled), "rope_scaling and "
-             f"rope_factor rescale RoPE's angles, and pos_encoding={pe!r} has none"),
-            (self.rope_scaling == "none" and scaled, f"rope_factor={self.rope_factor} needs "
-             "rope_scaling='linear' or 'ntk' (rope_scaling='none' means factor 1)")]:
+            (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor="
+             f"{self.rope_factor} needs rope_scaling='linear' or 'ntk' ('none' means factor 1)")]:
             if wrong:
                 raise ValueError(why)
 
 
 @torch.no_grad()
 def init_parameter(name, p, n_layer, generator=None):
-    """The one init rule, by name (RoFormer and lib/checkpoint.py's meta-device build use it): matrices
+    """The one init rule, by name (also lib/checkpoint.py's meta-device build's): matrices
     normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so the residual
     stream's variance does not grow with depth; norm weights 1, biases 0."""
     if name.endswith("bias"):
@@ -90,9 +85,8 @@ def init_parameter(name, p, n_layer, generator=None):
 # by m * theta_i at position m. The paper pairs adjacent channels: the same maths up to a fixed
 # permutation of q/k channels (but checkpoints are not interchangeable between the layouts).
 def ntk_base(base, factor, head_dim):
-    """Static NTK-aware scaling is plain RoPE with a larger base: base * factor^(d/(d-2)) slows
-    the lowest frequency `factor` times and keeps the highest. The one place this formula lives
-    (rope_table and both exports use it); d > 2, which RoFormerConfig checks."""
+    """Static NTK-aware scaling, also for both exports: plain RoPE with base * factor^(d/(d-2)),
+    which slows the lowest frequency `factor` times and keeps the highest; d > 2 (checked)."""
     return base * factor ** (head_dim / (head_dim - 2))
 
 
@@ -147,9 +141,8 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     v = v.to(dtype)
     B, H, N, D = q.shape
     length = min(chunk, N)
-    n_chunks = -(-N // length)
-    pad = n_chunks * length - N  # zero keys and values: they add nothing to any sum
-    fq, fk, rq, rk, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, n_chunks, length, t.size(-1))
+    pad = -N % length  # zero keys and values: they add nothing to any sum
+    fq, fk, rq, rk, v = (F.pad(t, (0, 0, 0, pad)).view(B, H, -1, length, t.size(-1))
                          for t in (fq, fk, rq, rk, v))
     causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     num = (rq @ rk.transpose(-1, -2)).masked_fill(~causal, 0.0) @ v  # within each chunk
@@ -158,8 +151,7 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     S = torch.cat((torch.zeros_like(kv[:, :, :1]), kv.cumsum(2)[:, :, :-1]), dim=2)
     z = F.pad(fk.sum(-2).cumsum(2)[:, :, :-1], (0, 0, 1, 0))  # (B, H, n_chunks, D)
     if state is not None:
-        S = S + state[0].to(dtype)[:, :, None]
-        z = z + state[1].to(dtype)[:, :, None]
+        S, z = S + state[0].to(dtype)[:, :, None], z + state[1].to(dtype)[:, :, None]
     num = num + rq @ S
     k_sum = z.unsqueeze(-2) + fk.cumsum(-2)      # sum of phi(k_n) over n <= m, at every m
     den = (fq * k_sum).sum(-1)
@@ -167,7 +159,7 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
         h = D // 2
         den = torch.maximum(den, GUARD * ((fq[..., :h] + fq[..., h:]) *
                                           (k_sum[..., :h] + k_sum[..., h:])).sum(-1))
-    out = (num / (den.unsqueeze(-1) + eps)).view(B, H, n_chunks * length, -1)[:, :, :N]
+    out = (num / (den.unsqueeze(-1) + eps)).flatten(2, 3)[:, :, :N]
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
 
 
@@ -240,8 +232,10 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.rel_k = None  # a baseline's own table in this layer (shaw's), by baseline_tables
-        baseline_tables(self, cfg, "attention")
+        self.rel_k = None  # shaw's table in this layer (lib/baselines.py's add_tables)
+        if cfg.pos_encoding != "rope":
+            from lib import baselines  # lazily: a RoPE run imports no baseline code
+            baselines.add_tables(self, cfg, "attention")
 
     def forward(self, x, where, cache=None):
         B, T, _ = x.shape
@@ -298,8 +292,10 @@ class RoFormer(nn.Module):
         super().__init__()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = self.rel_bias = None  # a baseline's tables (learned, t5), by baseline_tables
-        baseline_tables(self, cfg, "model")
+        self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
+        if cfg.pos_encoding != "rope":
+            from lib import baselines
+            baselines.add_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -336,20 +332,15 @@ class RoFormer(nn.Module):
             from lib.baselines import sinusoidal_embedding
             self.sin_emb = sinusoidal_embedding(pos, c.n_embd).to(device)
 
-    def position_embedding(self, pos, index):
-        """Position hook 1 of 2: what is added to the token embeddings at `pos` (`index`: the
-        same, as a slice or the static step's tensor), or None (RoPE)."""
+    def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
         if self.config.pos_encoding == "rope":
             return None
-        from lib import baselines  # lazily: a RoPE run imports no baseline code
+        from lib import baselines
         return baselines.position_embedding(self, pos, index)
 
-    def position_bias(self, d, visible):
-        """Position hook 2 of 2: the float32 bias added to the scores of distances d (Lq, Lk),
-        shared by the layers ((H or 1, Lq, Lk); shaw adds its query term in Attention), -inf
-        where not `visible` (causality, the decoding window). Without a bias: `visible`."""
+    def position_bias(self, d, visible):  # hook 2 of 2: a mask, or a float bias on the scores
         if self.config.pos_encoding not in RELATIVE:
-            return visible
+            return visible  # visible: (Lq, Lk) bool, causality and the decoding window
         from lib import baselines
         return baselines.position_bias(self, d, visible)
 
@@ -361,9 +352,9 @@ class RoFormer(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
-        With a cache, idx holds positions start_pos.. and attends to the cached ones too.
-        start_pos: an int, or in the static one-token step a (1,) tensor on idx's device, so
-        one graph serves every position and nothing is read back to the host."""
+        With a cache, idx holds positions start_pos.. and also attends to the cached ones.
+        start_pos: an int, or in the static one-token step a (1,) tensor on idx's device (one
+        graph serves every position, nothing is read back to the host)."""
         c, T = self.config, idx.size(1)
         if isinstance(start_pos, torch.Tensor):  # table entries by gather, not a slice
             if T != 1:
@@ -376,6 +367,7 @@ class RoFormer(nn.Module):
         x, added = self.wte(idx), self.position_embedding(pos, index)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
+        where = Positions(rope, None)
         if isinstance(cache, KVCache):
             slots, write_first, distance, visible = cache.place(pos, start_pos)
             where = Positions(rope, self.position_bias(distance, visible), distance, slots,
@@ -383,8 +375,6 @@ class RoFormer(nn.Module):
         elif c.pos_encoding in RELATIVE:
             distance = pos[:, None] - pos[None, :]
             where = Positions(rope, self.position_bias(distance, distance >= 0), distance)
-        else:
-            where = Positions(rope, None)
         for block in self.blocks:
             x = block(x, where, cache)
         logits = self.lm_head(self.ln_f(x))
@@ -398,20 +388,3 @@ class RoFormer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - (self.wpe.weight.numel() if non_embedding and self.wpe is not None else 0)
 
-    def flops_per_token(self, seq_len):
-        """Training FLOPs per token at length seq_len: 6 per parameter, plus attention."""
-        c = self.config
-        if c.attention == "softmax":  # q.k and att.v over seq_len keys, no causal discount
-            attn = 2 * 2 * seq_len * c.n_embd
-        else:  # two causal chunk (L x L) products, plus the state's read and update
-            length, d = min(c.linear_chunk, seq_len), c.n_embd // c.n_head
-            attn = 2 * c.n_embd * (2 * length + 2 * d)
-        return 6 * self.num_params() + 3 * c.n_layer * attn
-
-
-def baseline_tables(owner, cfg, scope):
-    """Construction hook: an ablation baseline's learned tables on `owner` (scope "model":
-    RoFormer's wpe, rel_bias; "attention": each layer's rel_k), where checkpoints have them."""
-    if cfg.pos_encoding != "rope":
-        from lib import baselines
-        baselines.add_tables(owner, cfg, scope)

@@ -339,7 +339,8 @@ if wandb_log and master:
                           **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
 peak = run.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
 progress = run.Progress(start_iter, max_iters, tokens_per_iter,
-                        raw_model.flops_per_token(block_size), peak, world, master)
+                        run.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
+                        world, master)
 if master:
     run.start_log(log_path, resumed, start_iter)
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "

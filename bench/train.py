@@ -11,7 +11,7 @@ are comparable (timings on a shared machine are noisy; read the ratios).
     python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
     python bench/train.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
 
-MFU is model FLOPs (model.flops_per_token) per second over a peak rate: on CPU a
+MFU is model FLOPs (lib.run.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
 the numbers stay comparable with the CPU ones).
 
@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.common import UserError, configure  # noqa: E402
+from lib.run import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
 
@@ -583,7 +584,7 @@ for _ in tqdm(range(args["steps"]), desc="timed rounds"):
 rows = []
 for v, (raw, *_), ts in zip(variants, built, times):
     dt = sorted(ts)[len(ts) // 2]
-    rows.append((*v, B * T / dt, raw.flops_per_token(T) * B * T / dt))
+    rows.append((*v, B * T / dt, flops_per_token(raw.config, raw.num_params(), T) * B * T / dt))
 base = next(r[3] for r in rows if r[:3] == ("rope", "fp32", False))
 print(f"\nmodel {fields}, batch {B}x{T}, {torch.get_num_threads()} threads, device {dev}")
 print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} "

@@ -1,13 +1,31 @@
 """The position-encoding baselines RoPE is measured against (pos_encoding "learned",
 "sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"). model.py imports this
-module only when pos_encoding is not "rope", and reaches it through three hooks:
-add_tables (construction: the learned tables, registered where checkpoints have always had
-them), position_embedding (added to the token embeddings) and position_bias (added to the
-attention scores). Otherwise the model runs the same code path, so comparisons are fair."""
+module only when pos_encoding is not "rope": RoFormerConfig calls check, and the model reaches
+it through three hooks: add_tables (construction: the learned tables, registered where
+checkpoints have always had them), position_embedding (added to the token embeddings) and
+position_bias (added to the attention scores). Otherwise the model runs the same code path, so
+comparisons are fair."""
 import math
 
 import torch
 import torch.nn as nn
+
+from model import RELATIVE
+
+
+def check(cfg):
+    """RoFormerConfig's checks of the baselines' settings (called when pos_encoding != "rope")."""
+    pe = cfg.pos_encoding
+    for wrong, why in [
+        (cfg.attention == "linear" and pe in RELATIVE, f"pos_encoding={pe!r} biases the "
+         "attention scores, which linear attention never forms: use attention='softmax'"),
+        (cfg.t5_max_distance <= cfg.t5_buckets // 2, "t5_max_distance must exceed the "
+         f"t5_buckets // 2 = {cfg.t5_buckets // 2} exact buckets"),
+        (pe == "sinusoidal" and cfg.n_embd % 2, "sinusoidal positions need an even n_embd"),
+        (cfg.rope_scaling != "none" or cfg.rope_factor != 1, "rope_scaling and rope_factor "
+         f"rescale RoPE's angles, and pos_encoding={pe!r} has none")]:
+        if wrong:
+            raise ValueError(why)
 
 
 def add_tables(owner, cfg, scope):

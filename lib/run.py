@@ -430,3 +430,13 @@ class Progress:
     def close(self, iter_num):
         self.bar.update(iter_num - self.bar.n)
         self.bar.close()
+
+
+def flops_per_token(cfg, n_params, seq_len):
+    """Training FLOPs per token at length seq_len: 6 per parameter, plus attention."""
+    if cfg.attention == "softmax":  # q.k and att.v over seq_len keys, no causal discount
+        attn = 2 * 2 * seq_len * cfg.n_embd
+    else:  # two causal chunk (L x L) products, plus the state's read and update
+        length, d = min(cfg.linear_chunk, seq_len), cfg.n_embd // cfg.n_head
+        attn = 2 * cfg.n_embd * (2 * length + 2 * d)
+    return 6 * n_params + 3 * cfg.n_layer * attn

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.optim import build_optimizer  # noqa: E402
+from lib.run import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table  # noqa
 from sample import generate, sample_next  # noqa: E402
 
@@ -611,4 +612,4 @@ def test_params_and_flops():
     n = sum(p.numel() for p in m.parameters())
     assert m.num_params(non_embedding=False) == n  # tied head counted once
     assert m.num_params() == n - 16 * 16
-    assert m.flops_per_token(16) > 6 * m.num_params()
+    assert flops_per_token(m.config, m.num_params(), 16) > 6 * m.num_params()
