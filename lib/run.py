@@ -105,9 +105,8 @@ def run_identity():
 
 
 def prepare_out_dir(out_dir):
-    """Create out_dir and check now, before any training, that the run can write its files
-    there (a checkpoint, log.jsonl): an hour of training lost to a typo'd path is worse than one
-    line at the start."""
+    """Create out_dir and check now that the run can write there: an hour of training lost to
+    a typo'd path is worse than one line at the start."""
     make_out_dir(out_dir)
     log_path = os.path.join(out_dir, "log.jsonl")
     try:
@@ -162,9 +161,8 @@ def check_wandb():
 
 
 def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
-    """(checkpoint to resume from or None, init_from as it now is). A torchrun restart after a
-    crash continues from the last checkpoint, but only if this run wrote it; a new run moves
-    another run's checkpoint aside."""
+    """(checkpoint to resume from or None, init_from as it now is). A torchrun restart resumes
+    the last checkpoint only if this run wrote it; a new run moves another run's aside."""
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     ckpt = None
     if init_from == "resume":
@@ -234,8 +232,7 @@ def start_log(log_path, resumed, start_iter):
         with open(log_path, errors="replace") as f:
             for line in f:
                 try:
-                    row = json.loads(line)
-                    it = row["iter"]
+                    it = json.loads(line)["iter"]
                 except (ValueError, TypeError, KeyError):
                     unreadable += bool(line.strip())
                     continue
