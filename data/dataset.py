@@ -1,9 +1,6 @@
-"""Reading a prepared dataset folder (meta.json, train.bin, val.bin) for training, sampling,
-evaluation and export: the one place that opens a split, so every reader gets the same checks.
-
-A mistake (no meta.json, meta.json that is not JSON, a .bin whose size disagrees with the token
-count meta.json records, an empty split) raises a UserError that names the file.
-"""
+"""Reading a prepared dataset folder (meta.json, train.bin, val.bin): the one place that opens a
+split, so training, sampling, evaluation and export get the same checks, and a mistake in the
+folder is a UserError that names the file."""
 import json
 import os
 

@@ -1,17 +1,14 @@
 """
-Every checkpoint read and write of one process (or DDP), and the building of the model they
-hold: train.py builds, saves and resumes here; sample.py, eval.py and export.py start with
-load_run (out_dir -> ckpt.pt -> the model on a device and dtype, and the sentencepiece
-tokenizer it was trained with, checked by sha256).
+Building the model, and every checkpoint read and write: train.py builds, saves and resumes
+here; sample.py, eval.py and export.py start with load_run (out_dir -> the model on a device and
+dtype, and the sentencepiece tokenizer it was trained with, checked by sha256).
 
-The format. out_dir/ckpt.pt always holds `model` (the uncompiled module's full state dict),
-`model_args` (the RoFormerConfig fields), `config`, `tokenizer` (dataset, path, sha256),
-`iter_num`, `best_val_loss`, and what exact resume needs (RNG, tokens, run id). A one-process
-or DDP run also keeps `optimizer` in it; an FSDP run keeps model and optimizer in a DCP folder
-beside it (lib/parallel.py) that ckpt.pt names (`sharded`). ckpt.pt is replaced last,
-atomically: it is the commit point, so a crash, a full disk or a power loss at any moment
-leaves the previous ckpt.pt and the folder it names intact. Every way this can go wrong for a
-user is a UserError of one line.
+out_dir/ckpt.pt holds `model` (the uncompiled module's full state dict), `model_args` (the
+RoFormerConfig fields), `config`, `tokenizer` (dataset, path, sha256), `iter_num`,
+`best_val_loss`, and what exact resume needs (RNG, tokens, run id); a one-process or DDP run
+also `optimizer`, while an FSDP run keeps model and optimizer in the DCP folder (lib/parallel.py)
+that ckpt.pt names (`sharded`). ckpt.pt is replaced last, atomically: it is the commit point, so
+a crash, a full disk or a power loss leaves the previous ckpt.pt and its folder intact.
 """
 import contextlib
 import functools
@@ -84,11 +81,9 @@ def init_weights(model, seed):
     each full parameter in turn from one generator seeded with `seed` on every rank, each rank
     keeping its own shard of it (sharded random ops would give every number of ranks other
     weights)."""
-    gen = None
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():  # the tied head is wte's weight: drawn once
         full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        if gen is None:
-            gen = torch.Generator(device=p.device).manual_seed(seed)
         init_parameter(name, full, model.config.n_layer, gen)
         if hasattr(p, "device_mesh"):  # a DTensor: this rank's piece, cut locally
             from torch.distributed.tensor import distribute_tensor
@@ -184,15 +179,14 @@ def load_tokenizer(info, override):
         print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
               file=sys.stderr)
         return spm.SentencePieceProcessor(model_file=override)
-    candidates = [override] if override else [
-        info.get("path", ""), os.path.join(REPO, "data", str(info.get("dataset")), "tokenizer.model")]
-    mismatched = []
-    for path in candidates:
-        if path and os.path.isfile(path):
-            if file_sha256(path) == info["sha256"]:
-                return spm.SentencePieceProcessor(model_file=path)
-            mismatched.append(path)
     recorded = info.get("path", "")
+    candidates = [override] if override else [
+        recorded, os.path.join(REPO, "data", str(info.get("dataset")), "tokenizer.model")]
+    mismatched = []
+    for path in filter(os.path.isfile, filter(None, candidates)):
+        if file_sha256(path) == info["sha256"]:
+            return spm.SentencePieceProcessor(model_file=path)
+        mismatched.append(path)
     if mismatched and not override and recorded and not os.path.isfile(recorded):
         # The run's file is gone (moved, most likely); the one found under data/<dataset>/ is
         # another tokenizer, which says nothing about the run's having been retrained.
@@ -233,18 +227,17 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
     if not os.path.isfile(ckpt_path):
         raise UserError(f"no checkpoint at {ckpt_path}")
     ckpt = read(ckpt_path)
-    model_args = dict(ckpt["model_args"])
     try:
-        config = RoFormerConfig(**model_args)
+        config = RoFormerConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
         raise UserError(f"model config in {ckpt_path}: {e}") from None
     if rope_scaling or rope_factor:  # the checkpoint's config is valid: a refusal is the flags'
-        flags = " ".join(f"--{k}={v}" for k, v in (("rope_scaling", rope_scaling),
-                                                   ("rope_factor", rope_factor)) if v)
-        args = rescale(model_args, rope_scaling, rope_factor)
+        args = rescale(ckpt["model_args"], rope_scaling, rope_factor)
         try:
             config = RoFormerConfig(**args)
         except ValueError as e:
+            flags = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
+            flags = " ".join(f"--{k}={v}" for k, v in flags.items() if v)
             raise UserError(f"{flags} does not fit this model: {e}") from None
     model = RoFormer(config)
     try:
@@ -297,10 +290,11 @@ def describe(out_dir, ckpt, model):
     """One line about the loaded run, for stderr."""
     c = model.config
     p = next(model.parameters())
+    dtype = str(p.dtype).removeprefix("torch.")
     return (f"{os.path.join(out_dir, 'ckpt.pt')}: iter {ckpt.get('iter_num')}, val loss "
-            f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M params, "
-            f"{c.attention} attention, {c.pos_encoding} positions, rope_scaling {c.rope_scaling} "
-            f"x{c.rope_factor:g}; {p.device} {str(p.dtype).removeprefix('torch.')}")
+            f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M "
+            f"params, {c.attention} attention, {c.pos_encoding} positions, rope_scaling "
+            f"{c.rope_scaling} x{c.rope_factor:g}; {p.device} {dtype}")
 
 
 def rng_state():

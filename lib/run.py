@@ -1,9 +1,6 @@
 """
-train.py's run operations, behind one small interface: the dataset folder (built on first use
-for the default corpus), out_dir hygiene, run ids and restarts (a torchrun restart resumes only
-its own run's checkpoint; a new run moves an older one aside), log.jsonl (trimmed back to the
-checkpoint on resume), the progress line, signals, and the peak FLOP/s that MFU is measured
-against (a GPU's datasheet, or the CPU's matmul rate timed once per machine setup).
+train.py's run operations: the dataset folder, out_dir, run ids and restarts, log.jsonl, the
+progress line, signals, and the peak FLOP/s that MFU is measured against.
 """
 import contextlib
 import json
@@ -36,12 +33,11 @@ def barrier(ddp):
 def prepare_command(dataset, data_dir=""):
     """The command that builds the folder train.py reads: data/<dataset>, or data_dir. A
     dataset with no script of its own is the user's text, whose files only they can name."""
-    base = dataset[:-len("_char")] if dataset.endswith("_char") else None
+    base = dataset.removesuffix("_char")
     if os.path.exists(os.path.join(REPO, "data", dataset, "prepare.py")):
         cmd, writes = f"python data/{dataset}/prepare.py", dataset
-    elif base and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
-        # the character-level variant, which writes data/<base>_char
-        cmd, writes = f"python data/{base}/prepare.py --char", dataset
+    elif base != dataset and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
+        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # writes data/<base>_char
     else:
         cmd, writes = "python data/text/prepare.py", "text"
     if cmd.startswith("python data/text/"):
@@ -61,14 +57,12 @@ def open_dataset(dataset, data_dir, master, ddp):
     needed = ["train.bin", "val.bin", "meta.json"]
     missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing and dataset == "pystdlib" and not data_dir:
+        script = f"data/{dataset}/prepare.py"
         if master:
-            print(f"data/{dataset} not found: building it with data/{dataset}/prepare.py ...",
-                  flush=True)
-            built = subprocess.run([sys.executable, os.path.join(REPO, "data", dataset,
-                                                                 "prepare.py")])
-            if built.returncode:
-                raise UserError(f"python data/{dataset}/prepare.py failed (exit "
-                                f"{built.returncode})")
+            print(f"data/{dataset} not found: building it with {script} ...", flush=True)
+            rc = subprocess.run([sys.executable, os.path.join(REPO, script)]).returncode
+            if rc:
+                raise UserError(f"python {script} failed (exit {rc})")
         barrier(ddp)
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
@@ -111,9 +105,8 @@ def run_identity():
 
 
 def prepare_out_dir(out_dir):
-    """Create out_dir and check now, before any training, that the run can write its files
-    there (a checkpoint, log.jsonl): an hour of training lost to a typo'd path is worse than one
-    line at the start."""
+    """Create out_dir and check now that the run can write there: an hour of training lost to
+    a typo'd path is worse than one line at the start."""
     make_out_dir(out_dir)
     log_path = os.path.join(out_dir, "log.jsonl")
     try:
@@ -168,9 +161,8 @@ def check_wandb():
 
 
 def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
-    """(checkpoint to resume from or None, init_from as it now is). A torchrun restart after a
-    crash continues from the last checkpoint, but only if this run wrote it; a new run moves
-    another run's checkpoint aside."""
+    """(checkpoint to resume from or None, init_from as it now is). A torchrun restart resumes
+    the last checkpoint only if this run wrote it; a new run moves another run's aside."""
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     ckpt = None
     if init_from == "resume":
@@ -215,8 +207,8 @@ def check_resume(ckpt, config, tokenizer, loop_keys, master):
 def move_aside(out_dir):
     """A new run never overwrites another run's work, and a restart must not mistake it for its
     own: move the old checkpoint and its log aside, stamped with the checkpoint's time."""
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(ckpt_path)))
+    mtime = os.path.getmtime(os.path.join(out_dir, "ckpt.pt"))
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(mtime))
     for name, ext in (("ckpt", ".pt"), ("log", ".jsonl")):
         old = os.path.join(out_dir, name + ext)
         if os.path.exists(old):
@@ -240,8 +232,7 @@ def start_log(log_path, resumed, start_iter):
         with open(log_path, errors="replace") as f:
             for line in f:
                 try:
-                    row = json.loads(line)
-                    it = row["iter"]
+                    it = json.loads(line)["iter"]
                 except (ValueError, TypeError, KeyError):
                     unreadable += bool(line.strip())
                     continue
@@ -290,19 +281,17 @@ GPU_PEAK_FLOPS = {  # (bfloat16, float16, float32)
     ("v100",): (None, 125e12, 15.7e12), ("v100", "pcie"): (None, 112e12, 14e12),
     ("t4",): (None, 65e12, 8.1e12),
 }
-PEAK_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def gpu_peak_flops(name, dtype="float16"):
     """Peak FLOP/s of one card from its torch.cuda.get_device_name() for a run in `dtype`, or
     None if unknown. "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL parts say so."""
     words = set(name.lower().replace("-", " ").split())
-    best = None
-    for key, flops in GPU_PEAK_FLOPS.items():
-        if key[0] in words and all(w in words for w in key[1:]):
-            if best is None or len(key) > len(best[0]):  # the most specific match wins
-                best = (key, flops)
-    return best[1][PEAK_DTYPES.index(dtype)] if best else None
+    keys = [key for key in GPU_PEAK_FLOPS if set(key) <= words]
+    if not keys:
+        return None
+    best = max(keys, key=len)  # the most specific match wins
+    return GPU_PEAK_FLOPS[best][("bfloat16", "float16", "float32").index(dtype)]
 
 
 def peak_flops(device_type, dtype, ddp):
@@ -329,13 +318,10 @@ def time_matmul(dtype, seconds=0.2, bursts=4):
 
 
 def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
@@ -346,13 +332,11 @@ def cached_cpu_peak(dtype):
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                          "roformer", "cpu_peak.json")
     key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
-    try:
-        with open(cache) as f:
-            table = json.load(f)
-    except (OSError, ValueError):
-        table = {}
-    if not isinstance(table, dict) or not isinstance(table.get(key), float):
-        table = table if isinstance(table, dict) else {}
+    table = None
+    with contextlib.suppress(OSError, ValueError), open(cache) as f:
+        table = json.load(f)
+    table = table if isinstance(table, dict) else {}
+    if not isinstance(table.get(key), float):
         table[key] = time_matmul(dtype)
         with contextlib.suppress(OSError):  # a read-only home: time it again next run
             os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -401,10 +385,10 @@ class Progress:
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=max_iters, initial=start_iter, dynamic_ncols=True, unit="it",
                         disable=not master or not self.interactive)
-        self.start_iter, self.max_iters, self.t_start, self.tok_s = start_iter, max_iters, \
-            time.time(), None
-        self.tokens_per_iter, self.flops, self.peak, self.world = tokens_per_iter, \
-            flops_per_token, peak, world
+        self.start_iter, self.max_iters, self.t_start = start_iter, max_iters, time.time()
+        self.tokens_per_iter, self.tok_s = tokens_per_iter, None
+        # MFU is per device: the FLOPs of one device's share of the tokens over its peak
+        self.mfu_per_tok = flops_per_token / world / peak if peak else None
 
     def log(self, iter_num, loss, grad_norm, dt):
         rate = self.tokens_per_iter / dt
@@ -412,9 +396,9 @@ class Progress:
             self.tok_s = rate if self.tok_s is None else 0.9 * self.tok_s + 0.1 * rate
         post = {"loss": f"{loss:.4f}", "gnorm": f"{grad_norm:.3f}"}
         if self.tok_s:
+            mfu = self.mfu_per_tok and self.mfu_per_tok * self.tok_s
             post["tok/s"] = f"{self.tok_s:,.0f}"  # all ranks together
-            post["mfu"] = (f"{100 * self.flops * self.tok_s / self.world / self.peak:.1f}%"
-                           if self.peak else "n/a")
+            post["mfu"] = f"{100 * mfu:.1f}%" if mfu else "n/a"
         if self.interactive:
             self.bar.update(iter_num - self.bar.n)
             self.bar.set_postfix(post)
