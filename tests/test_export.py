@@ -279,7 +279,8 @@ def with_field(model, name, value):
     """The model with a config that has one field more, as a researcher's option would add."""
     Extended = dataclasses.make_dataclass("Extended", [(name, type(value), value)],
                                           bases=(RoFormerConfig,))
-    model.config = Extended(**dataclasses.asdict(model.config))
+    # the value given, also where the field already exists (a researcher added it for real)
+    model.config = Extended(**{**dataclasses.asdict(model.config), name: value})
     return model
 
 
