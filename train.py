@@ -15,11 +15,10 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py (the model), lib/run.py (the run's operations: ids, restarts, out_dir, the
-dataset folder, log.jsonl, progress, signals, MFU's peak), lib/checkpoint.py (building the
-model, AdamW, every checkpoint file), lib/common.py (the config parser, the device/dtype
-resolver, the one-line errors); only when used: lib/parallel.py (torchrun: DDP / FSDP2),
-lib/optim.py (optimizer=muon).
+Elsewhere: model.py; lib/run.py (the run's operations: ids, restarts, out_dir, dataset folder,
+log.jsonl, progress, signals, MFU), lib/checkpoint.py (model building, AdamW, checkpoint files),
+lib/common.py (config parser, device/dtype, one-line errors); when used, lib/parallel.py
+(torchrun: DDP / FSDP2) and lib/optim.py (Muon).
 """
 import contextlib
 import dataclasses

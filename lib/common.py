@@ -278,9 +278,10 @@ def pick_device(device="auto", dtype="auto", training=False):
                         f"cuda:{n - 1})")
     if dev.type == "mps" and not mps:
         raise UserError(f"device={device!r} but MPS (Apple's GPU backend) is not available")
-    if dtype == "auto":
-        dtype = (cuda_autocast_dtype() if dev.type == "cuda"  # bf16 where native, else fp16
-                 else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16() else "float32")
+    if dtype == "auto":  # CUDA: bf16 where native, else fp16
+        dtype = (cuda_autocast_dtype() if dev.type == "cuda"
+                 else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16()
+                 else "float32")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if training and dtype == "float16" and dev.type != "cuda":
