@@ -6,22 +6,19 @@ Train a RoFormer language model. One script for a laptop CPU and for a GPU clust
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py   # DDP, one node
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True  # sharded
 
-Configuration: the module-level variables below are the defaults; config files (plain Python)
-and then --key=value arguments override them (lib/common.py). Every field of RoFormerConfig
-is a key of its own.
+The module-level variables below are the defaults (every field of RoFormerConfig is a key of
+its own); config files (plain Python), then --key=value arguments override them.
 
-Determinism, which exact resume and DDP rest on: the batch of a micro-step is a pure function
-of (seed, iteration, global micro-step), with global micro-step = rank * G/N + local micro-step
-for N ranks and gradient accumulation G, drawn from a generator of its own; dropout is seeded
-the same way. So a resumed run replays exactly the batches an unbroken run would have seen,
-N ranks see the batches of one process, and evaluation (its own fixed generator) never
-disturbs training.
+Determinism, which exact resume and DDP rest on: the batch and the dropout seed of a micro-step
+are a pure function of (seed, iteration, global micro-step), with global micro-step =
+rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resumed run replays
+exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
+and evaluation (its own fixed generator) never disturbs training.
 
-Where things live: model.py (the model); lib/run.py (run ids, restarts, out_dir, the dataset
-folder, log.jsonl, progress, signals, MFU's peak), lib/checkpoint.py (building the model, the
-AdamW optimizer, every checkpoint file), lib/common.py (the config parser, the device/dtype
-resolver, the one-line errors); only when used: lib/parallel.py (torchrun: DDP / FSDP2),
-lib/optim.py (optimizer=muon).
+Elsewhere: model.py; lib/run.py (the run's operations: ids, restarts, out_dir, dataset folder,
+log.jsonl, progress, signals, MFU), lib/checkpoint.py (model building, AdamW, checkpoint files),
+lib/common.py (config parser, device/dtype, one-line errors); when used, lib/parallel.py
+(torchrun: DDP / FSDP2) and lib/optim.py (Muon).
 """
 import contextlib
 import dataclasses
@@ -119,15 +116,14 @@ if optimizer not in ("adamw", "muon"):
     raise UserError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
 if fsdp and optimizer == "muon":
     raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
-                    "optimizer state is supported for AdamW only; use DDP (fsdp=False) or "
-                    "optimizer=adamw")
-if fsdp and int(os.environ.get("RANK", -1)) == -1:
-    raise UserError("fsdp=True shards the model over processes: run under torchrun "
-                    "(--nproc_per_node=1 works too)")
+                    "optimizer state is supported for AdamW only; use DDP or optimizer=adamw")
 
 # ----------------------------------------------------------------------------------------
 # processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype
 ddp = int(os.environ.get("RANK", -1)) != -1
+if fsdp and not ddp:
+    raise UserError("fsdp=True shards the model over processes: run under torchrun "
+                    "(--nproc_per_node=1 works too)")
 rank, local_rank, world = ((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
                            if ddp else (0, 0, 1))
 if ddp:
@@ -153,9 +149,8 @@ if fsdp and dtype == "float16":
     raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
 if optimizer == "muon" and dtype == "float16":  # what auto picks on GPUs without bf16
     if config["dtype"] != "auto":
-        raise UserError("optimizer=muon does not work with dtype=float16: the GradScaler "
-                        "unscales and steps one torch optimizer, not Muon paired with AdamW; use "
-                        "bfloat16 or float32")
+        raise UserError("optimizer=muon does not work with dtype=float16 (the GradScaler steps "
+                        "one torch optimizer, not Muon paired with AdamW): use bfloat16 or float32")
     dtype = "float32"
 if device_type == "cuda":
     torch.cuda.set_device(dev)
@@ -206,8 +201,7 @@ run.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on re
 
 
 def get_batch(split, rng, bs, T):
-    """bs random windows of T+1 tokens, picked by the numpy Generator `rng`: inputs are the
-    first T tokens of a window, targets the last T."""
+    """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
     data = open_split(ddir, split, meta)  # a fresh memmap per call (see data/dataset.py)
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
@@ -216,19 +210,16 @@ def get_batch(split, rng, bs, T):
                         f"vocab_size is {mconf.vocab_size}: the data was encoded with another "
                         f"tokenizer; prepare it again with this run's tokenizer")
     w = torch.from_numpy(windows.astype(np.int64))
-    if device_type == "cuda":
-        # Pin and send the whole contiguous window, then slice on the device: pinning a
-        # strided view (w[:, :-1]) would go through a pageable temporary copy first.
-        w = w.pin_memory().to(dev, non_blocking=True)
-    else:
-        w = w.to(dev)
+    # Pin and send the whole contiguous window, then slice on the device: pinning a strided
+    # view (w[:, :-1]) would go through a pageable temporary copy first.
+    w = w.pin_memory().to(dev, non_blocking=True) if device_type == "cuda" else w.to(dev)
     # contiguous on the device (two tiny copies): strided token ids slow the step down
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 # ----------------------------------------------------------------------------------------
-# model and optimizer: built on the meta device, wrapped (DDP, or FSDP and sharded), then
-# initialised from the seed (lib/checkpoint.build_model)
+# model (built on the meta device, wrapped: DDP, or FSDP and sharded; then initialised from the
+# seed) and optimizer
 if ddp:
     raw_model, model, eval_model = parallel.build_model(
         mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
@@ -247,14 +238,13 @@ if optimizer == "muon":
         raise UserError(str(e)) from None
 else:
     opt = checkpoint.adamw(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type)
-# fp16 needs loss scaling; bf16 and fp32 do not (the scaler is then a no-op)
-scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16") \
-    if device_type == "cuda" else None
+# fp16 needs loss scaling; bf16 and fp32 do not (a disabled scaler passes everything through)
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 iter_num, best_val_loss, tokens_seen, wandb_id = 0, float("inf"), 0, None
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 if resumed:
     checkpoint.load_state(ckpt, ckpt_path, raw_model, opt)  # from ckpt.pt or its DCP folder
-    if scaler is not None and ckpt.get("scaler"):
+    if ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
     # a resumed run may use another batch size: count the tokens, not iterations x batch
@@ -269,10 +259,9 @@ start_iter = iter_num
 
 
 def lr_factor(it):
-    """The schedule as a fraction of a group's base rate (learning_rate for AdamW's groups,
-    muon_lr for Muon's): linear warmup, then cosine from 1 to min_lr / learning_rate at
-    lr_decay_iters, then flat. A fraction, not a ratio to learning_rate, so that
-    learning_rate=0 (AdamW's part frozen, a legitimate probe) leaves Muon's rate defined."""
+    """The schedule as a fraction of a group's base rate (learning_rate for AdamW, muon_lr for
+    Muon): linear warmup, cosine from 1 to min_lr / learning_rate at lr_decay_iters, then flat.
+    A fraction, so that learning_rate=0 (AdamW's part frozen, a probe) leaves Muon's defined."""
     if not decay_lr:
         return 1.0
     if it < warmup_iters:
@@ -284,40 +273,35 @@ def lr_factor(it):
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
 
 
-@torch.no_grad()
-def estimate_loss():
-    """Mean loss on eval_iters fixed batches per split. Its generator is rebuilt from the seed
-    every time, so every evaluation sees the same batches and no training RNG is consumed."""
-    out = {}
-    eval_model.eval()
-    for i, split in enumerate(("train", "val")):
-        rng = np.random.default_rng([seed, 7919, i])
-        losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split
-        for k in range(eval_iters):
-            x, y = get_batch(split, rng, batch_size, block_size)
-            with autocast:
-                losses[k] = eval_model(x, y)[1]
-        out[split] = losses.mean().item()
-    eval_model.train()
-    return out
-
-
 def save_checkpoint():
     """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
     call it (an FSDP save is a collective)."""
     checkpoint.save(ckpt_path, {
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "scaler": scaler.state_dict() or None,  # {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "run_id": run_id, "wandb_id": wandb_id, "model_args": model_args, "config": config,
         "tokenizer": tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt, rank)
 
 
+@torch.no_grad()
 def evaluate():
-    """Rank 0 evaluates and logs; with FSDP every rank runs the (collective) forwards."""
+    """Mean loss on eval_iters fixed batches per split, logged by rank 0 (with FSDP every rank
+    runs the collective forwards). Its generator is rebuilt from the seed every time, so every
+    evaluation sees the same batches and no training RNG is consumed."""
     global best_val_loss
     if not (master or fsdp):
         return
-    losses = estimate_loss()
+    losses = {}
+    eval_model.eval()
+    for i, split in enumerate(("train", "val")):
+        rng = np.random.default_rng([seed, 7919, i])
+        split_losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split
+        for k in range(eval_iters):
+            x, y = get_batch(split, rng, batch_size, block_size)
+            with autocast:
+                split_losses[k] = eval_model(x, y)[1]
+        losses[split] = split_losses.mean().item()
+    eval_model.train()
     if not master:
         return
     best_val_loss = min(best_val_loss, losses["val"])
@@ -349,7 +333,7 @@ if master:
     print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
                      "(peak FLOP/s of this device unknown)"), flush=True)
 stop = run.stop_on_signals()
-signalled = False
+stopping = False
 
 # ----------------------------------------------------------------------------------------
 # the loop
@@ -377,9 +361,7 @@ while iter_num < max_iters:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
             # mean over this rank's micro-steps; DDP/FSDP average over the N ranks: 1/G overall
-            if local_steps > 1:
-                loss = loss / local_steps
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            scaler.scale(loss / local_steps).backward()
     # one sync per step: stop together, and never step on a non-finite loss
     step_flags = torch.stack([(~torch.isfinite(loss_sum)).float(),
                               torch.tensor(float(bool(stop)), device=dev)])
@@ -390,16 +372,12 @@ while iter_num < max_iters:
         progress.close(iter_num)
         raise UserError(f"non-finite loss at iteration {iter_num}; stopping without saving "
                         f"(the last good checkpoint, if any, is {ckpt_path})")
-    if scaler is not None:
-        scaler.unscale_(opt)
+    scaler.unscale_(opt)
     # the global gradient norm, over all ranks' gradients; clip to grad_clip (0: no clipping)
     grad_norm = parallel.clip_grad_norm(raw_model, grad_clip) if ddp else \
         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    if scaler is not None:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
+    scaler.step(opt)
+    scaler.update()
     opt.zero_grad(set_to_none=True)
     iter_num += 1
     tokens_seen += tokens_per_iter
@@ -408,13 +386,12 @@ while iter_num < max_iters:
     if stopping:
         if master:
             progress.write(f"signal received: stopping at iteration {iter_num}")
-        signalled = True
         break
 
-# The final state is always saved and evaluated once. After a signal, save first: torchrun
-# kills 30 s after SIGTERM (SLURM and Kubernetes grace periods are similar), and an evaluation
-# alone can take longer than that.
-if signalled:
+# The final state is always saved and evaluated once. After a signal, save first: torchrun kills
+# 30 s after SIGTERM (SLURM and Kubernetes grace periods are similar), and an evaluation alone
+# can take longer than that.
+if stopping:
     save_checkpoint()
 if iter_num > start_iter or not resumed:
     evaluate()

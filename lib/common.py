@@ -31,13 +31,8 @@ def error_line(msg):
     return f"error: {msg}"
 
 
-def fail(msg):
-    sys.exit(error_line(msg))
-
-
 def excepthook(kind, value, tb):
-    """sys.excepthook of a script without a main (train.py): an uncaught UserError is its
-    line, and the interpreter exits 1 as for any uncaught exception."""
+    """sys.excepthook of a script without a main (train.py): a UserError is its line, exit 1."""
     if issubclass(kind, UserError):
         print(error_line(value), file=sys.stderr, flush=True)
     else:
@@ -45,14 +40,14 @@ def excepthook(kind, value, tb):
 
 
 def cli(main, interrupted=130):
-    """A script's main(argv), with a UserError turned into its line (fail) and Ctrl-C into
-    exit `interrupted` (a code, or a message)."""
+    """A script's main(argv), a UserError ending as its line and Ctrl-C as exit `interrupted`
+    (a code, or a message)."""
     @functools.wraps(main)
     def run(argv=None):
         try:
             return main(sys.argv[1:] if argv is None else argv)
         except UserError as e:
-            fail(e)
+            sys.exit(error_line(e))
         except KeyboardInterrupt:
             sys.exit(interrupted)
     return run
@@ -62,8 +57,8 @@ def cli(main, interrupted=130):
 # files: atomic writes (temp, fsync, rename, fsync the folder), the out_dir check, hashes
 
 def fsync(path):
-    """Flush a file, or a folder's entries (a rename survives a power loss only once its
-    folder is on disk too), to the disk."""
+    """Flush a file, or a folder's entries (a rename survives a power loss only once its folder
+    is on disk too), to the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -95,9 +90,9 @@ def publish(tmp, path):
 
 def atomic_write(path, write, check=None, tmp=None):
     """write(tmp) fills a temp file or folder next to `path`; it is synced, checked (check(tmp)
-    returns a reason it is wrong, or None) and only then renamed to `path`. Whatever fails (a
-    full disk, the check), no temp is left and the previous `path` stays as it was. Returns the
-    check's reason (nothing renamed) or None; OSErrors are the caller's to word."""
+    returns a reason it is wrong, or None) and only then renamed to `path`. Whatever fails, no
+    temp is left and `path` stays as it was. Returns the check's reason or None; OSErrors are
+    the caller's to word."""
     tmp = tmp or os.path.join(os.path.dirname(os.path.abspath(path)),
                               f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
@@ -147,8 +142,7 @@ def file_sha256(path):
 
 # ----------------------------------------------------------------------------------------
 # configuration, nanoGPT style: a script's module-level defaults, then config files (plain
-# Python that assigns variables), then --key=value, in that order. A mistake is one line
-# that names the key.
+# Python that assigns variables), then --key=value. A mistake is one line that names the key.
 
 SCALARS = (bool, int, float, str, type(None))
 
@@ -175,9 +169,8 @@ def coerce(key, value, default):
 
 
 def parse_value(key, text, default):
-    """The text after '='. For a string key it is the value exactly as typed (a quoted
-    docstring keeps its quotes, --start=42 is text); otherwise a Python literal (true/false
-    are accepted for booleans)."""
+    """The text after '=': for a string key exactly as typed (quotes kept, --start=42 is text);
+    otherwise a Python literal (or true/false for a boolean)."""
     if isinstance(default, str):
         return text
     if isinstance(default, bool) and text.lower() in ("true", "false"):
@@ -209,8 +202,7 @@ def run_config_file(path):
 
 
 def configure(defaults, argv):
-    """A copy of `defaults` (name -> scalar) updated by the config files and --key=value
-    arguments in `argv`."""
+    """`defaults` (name -> scalar) updated by the config files and --key=value in `argv`."""
     config, known = dict(defaults), sorted(defaults)
     for arg in argv:
         if not arg.startswith("--"):  # a config file
@@ -232,8 +224,7 @@ def configure(defaults, argv):
         if not eq:  # a bare --flag sets a boolean
             if not isinstance(defaults[key], bool):
                 raise UserError(f"config key '{key}' needs a value: --{key}=...")
-            config[key] = True
-            continue
+            text = "true"
         config[key] = coerce(key, parse_value(key, text, defaults[key]), defaults[key])
     return config
 
@@ -241,12 +232,9 @@ def configure(defaults, argv):
 # ----------------------------------------------------------------------------------------
 # the device and dtype every script runs in
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def cpu_has_bf16():
     """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast is
-    several times faster than fp32; elsewhere it is emulated and slower."""
+    several times faster than fp32, elsewhere emulated and slower."""
     import torch
     try:
         with open("/proc/cpuinfo") as f:
@@ -257,9 +245,9 @@ def cpu_has_bf16():
 
 
 def cuda_autocast_dtype():
-    """"bfloat16" where the GPU computes bf16 natively (Ampere and later), else "float16" (with
-    a GradScaler when training). torch counts emulated bf16 as supported unless asked not to,
-    and on a T4 or V100 emulation is several times slower than fp16."""
+    """"bfloat16" where the GPU computes bf16 natively (Ampere and later), else "float16". torch
+    counts emulated bf16 as supported unless asked not to; on a T4 or V100 it is several times
+    slower than fp16."""
     import torch
     try:
         native = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -290,10 +278,11 @@ def pick_device(device="auto", dtype="auto", training=False):
                         f"cuda:{n - 1})")
     if dev.type == "mps" and not mps:
         raise UserError(f"device={device!r} but MPS (Apple's GPU backend) is not available")
-    if dtype == "auto":
-        dtype = (cuda_autocast_dtype() if dev.type == "cuda"  # bf16 where native, else fp16
-                 else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16() else "float32")
-    if dtype not in DTYPES:
+    if dtype == "auto":  # CUDA: bf16 where native, else fp16
+        dtype = (cuda_autocast_dtype() if dev.type == "cuda"
+                 else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16()
+                 else "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if training and dtype == "float16" and dev.type != "cuda":
         raise UserError("dtype=float16 needs CUDA (its GradScaler); use bfloat16 or float32")
