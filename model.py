@@ -29,30 +29,35 @@ class RoFormerConfig:
     pos_encoding: str = "rope"    # or a baseline: learned, sinusoidal, none, shaw, t5, alibi
     linear_chunk: int = 64        # chunk length of the causal linear-attention kernel
     linear_norm: bool = False     # RMS-normalise each linear-attention head's output
-    rope_scaling: str = "none"    # context extension at inference: "none" | "linear" | "ntk"
-    rope_factor: float = 1.0      # how many times block_size the scaled RoPE should cover
+    rope_scaling: str = "none"    # context extension: "none" | "linear" | "ntk" | "yarn"
+    rope_factor: float = 1.0      # the window is rope_original * rope_factor
+    rope_original: int = 0        # the context RoPE was trained at (0: block_size)
     rel_clip: int = 16            # shaw: distances beyond this share one embedding
     t5_buckets: int = 32          # t5: number of distance buckets (half exact, half log-spaced)
     t5_max_distance: int = 128    # t5: distances from here on share the last bucket
 
     @property
+    def original_context(self):  # a fine-tune at a longer block keeps it: no compounding
+        return self.rope_original or self.block_size
+
+    @property
     def context_window(self):  # what a query sees when decoding or scoring
-        return int(self.block_size * self.rope_factor)
+        return max(self.block_size, int(self.original_context * self.rope_factor))
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
-                     "rel_clip", "t5_buckets", "t5_max_distance"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+                     "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (name != "rope_original"):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
                               "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-                              "rope_scaling": ("none", "linear", "ntk")}.items():
+                              "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         rope, hd = self.pos_encoding == "rope", self.n_embd // self.n_head
         if not rope:  # a baseline's own settings, checked where the baselines live
-            from lib.baselines import check
-            check(self)
+            baselines().check(self)
         for wrong, why in [
             (self.n_embd % self.n_head, f"n_embd {self.n_embd} must be divisible by n_head"),
             (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
@@ -61,10 +66,15 @@ class RoFormerConfig:
             (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
             (self.rope_base <= 1.0 or self.rope_factor < 1.0, "rope_base must be > 1 and "
              f"rope_factor >= 1, got {self.rope_base} and {self.rope_factor}"),
-            (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor="
-             f"{self.rope_factor} needs rope_scaling='linear' or 'ntk' ('none' means factor 1)")]:
+            (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor={self.rope_factor}"
+             " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
             if wrong:
                 raise ValueError(why)
+
+
+def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
+    from lib import baselines as module
+    return module
 
 
 @torch.no_grad()
@@ -90,16 +100,26 @@ def ntk_base(base, factor, head_dim):
     return base * factor ** (head_dim / (head_dim - 2))
 
 
-def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0):
+def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original=0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
     from float64 on the CPU, also under device("meta") (a float32 angle is off by ~3e-2 rad at
-    m = 1e6). Context extension: linear divides positions by `factor`; ntk grows the base."""
+    m = 1e6). Context extension by `factor` s: linear divides positions by s; ntk grows the
+    base; yarn (transformers' rope_type "yarn") keeps theta_i for pairs i below the correction
+    dim c(32) and uses theta_i / s above c(1), a linear ramp between, c(r) = d ln(L / (2 pi r))
+    / (2 ln base), floor and ceil (truncate=True), L = `original`, and scales cos and sin by
+    0.1 ln s + 1 (so the scores move by its square)."""
     if scaling == "ntk":
         base = ntk_base(base, factor, head_dim)
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device="cpu").double() / head_dim)
+    gain = 1.0
+    if scaling == "yarn":
+        dim = lambda r: head_dim * math.log(original / (2 * math.pi * r)) / (2 * math.log(base))
+        low, high = max(math.floor(dim(32)), 0), min(math.ceil(dim(1)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2).double() - low) / ((high - low) or 1e-3)).clamp(0, 1)
+        inv_freq, gain = inv_freq * (1 - ramp + ramp / factor), 0.1 * math.log(factor) + 1.0
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)
     angle = torch.outer(pos, inv_freq)
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = angle.cos() * gain, angle.sin() * gain
     return torch.cat((cos, cos), -1).float(), torch.cat((-sin, sin), -1).float()
 
 
@@ -114,19 +134,14 @@ def apply_rope(x, cos, sin):
 #
 #   o_m = sum_{n<=m} (R_m phi(q_m))^T (R_n phi(k_n)) v_n / (sum_{n<=m} phi(q_m)^T phi(k_n) + eps)
 #
-# Rotation in the numerator only: the weights need not be positive nor sum to one (their sum
-# shrinks as the context grows on random inputs; `linear_norm` removes that drift).
-# The guard: per channel pair, phi(q) = (a1, a2), phi(k) = (b1, b2) >= 0, the numerator has
-# (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin, the denominator a1 b1 + a2 b2 only: 0 for a query
-# on channel i and keys on i + d/2 (relu does this). Both are at most (a1 + a2)(b1 + b2), so
-# bound = sum_n fold(phi(q_m)) . fold(phi(k_n)), fold(x) = x[:d/2] + x[d/2:], bounds the
-# weights' absolute sum, and dividing by max(denominator, GUARD * bound) keeps outputs within
-# max|v| / GUARD. For similar features in a pair the bound is about twice the denominator:
-# eq. 19 is unchanged unless its denominator is small for its numerator. The fold pairs channel
-# i with i + d/2 exactly as apply_rope pairs them: a change to which channels rotate (partial
-# rotary, say) must change the fold too; tests/test_contract.py's linear-attention bound
-# catches a mismatch. Chunked: a masked L x L product inside each chunk, and across chunks the
-# state S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n), one per chunk (never (N, d, d_v) sums).
+# Rotation in the numerator only, so the weights need not be positive nor sum to one. The
+# guard (docs/MODEL.md): a channel pair adds (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin to the
+# numerator but only a1 b1 + a2 b2 >= 0 to the denominator, both at most (a1 + a2)(b1 + b2);
+# dividing by max(den, GUARD * sum of those bounds) keeps |out| <= max|v| / GUARD. The bound
+# folds channel i onto i + d/2 exactly as apply_rope pairs them: change which channels rotate
+# and the fold must change too (tests/test_contract.py's bound catches it). Chunked: a masked
+# product inside each chunk, across chunks the running S = sum R_n phi(k_n) v_n^T, z = sum
+# phi(k_n), one per chunk (never (N, d, d_v) cumulative sums).
 GUARD = 0.25
 
 
@@ -156,9 +171,8 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     k_sum = z.unsqueeze(-2) + fk.cumsum(-2)      # sum of phi(k_n) over n <= m, at every m
     den = (fq * k_sum).sum(-1)
     if cos is not None:  # the guard; without rotation the weights are den's own terms
-        h = D // 2
-        den = torch.maximum(den, GUARD * ((fq[..., :h] + fq[..., h:]) *
-                                          (k_sum[..., :h] + k_sum[..., h:])).sum(-1))
+        fold = lambda t: t[..., :D // 2] + t[..., D // 2:]  # noqa: E731
+        den = torch.maximum(den, GUARD * (fold(fq) * fold(k_sum)).sum(-1))
     out = (num / (den.unsqueeze(-1) + eps)).flatten(2, 3)[:, :, :N]
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
 
@@ -175,29 +189,28 @@ class KVCache:
         self.window = window
 
     def place(self, pos, start):
-        """Once per forward: the new keys' slots, whether to write them before attending, and
-        query x key distances and visibility. `start`: an int, or pos in the static step."""
+        """Once per forward, before the layers: the new keys' slots, and whether to write them
+        before attending (kept for update), -> query x key distances and visibility. `start`:
+        an int, or pos in the static step."""
         size, new = self.slot_pos.numel(), pos.numel()
         # One token never evicts a key its query needs, nor a chunk that fits in free slots;
         # other chunks attend to the old keys first (writing first was the classic bug).
-        write_first = new == 1 or start + new <= size
+        self.write_first = new == 1 or start + new <= size
         kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
-        slots = kept % size
-        key_pos = self.slot_pos if write_first else torch.cat((self.slot_pos, pos))
-        self.slot_pos[slots] = kept  # in place; key_pos aliases it only when writing first
+        self.slots = kept % size
+        key_pos = self.slot_pos if self.write_first else torch.cat((self.slot_pos, pos))
+        self.slot_pos[self.slots] = kept  # in place; key_pos aliases it when writing first
         distance = pos[:, None] - key_pos[None, :]
-        visible = (key_pos >= 0) & (distance >= 0) & (distance < self.window)
-        return slots, write_first, distance, visible
+        return distance, (key_pos >= 0) & (distance >= 0) & (distance < self.window)
 
-    def update(self, layer, slots, write_first, k, v):  # -> what the layer's queries see
+    def update(self, layer, k, v):  # -> the keys and values the layer's queries see
         if self.keys[layer] is None:  # allocated by the first forward: its batch and dtype
             shape = (k.size(0), k.size(1), self.slot_pos.numel(), k.size(3))
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-        keys, values = self.keys[layer], self.values[layer]
-        seen = (keys, values) if write_first else (torch.cat((keys, k), 2),
-                                                   torch.cat((values, v), 2))
-        kept = slots.numel()  # of a chunk longer than the cache, its last `size` keys
-        keys[:, :, slots], values[:, :, slots] = k[:, :, -kept:], v[:, :, -kept:]
+        keys, values, kept = self.keys[layer], self.values[layer], self.slots.numel()
+        seen = (keys, values) if self.write_first else (torch.cat((keys, k), 2),
+                                                        torch.cat((values, v), 2))
+        keys[:, :, self.slots], values[:, :, self.slots] = k[:, :, -kept:], v[:, :, -kept:]
         return seen
 
 
@@ -208,20 +221,15 @@ class RecurrentState:
         self.state = [None] * n_layer
 
     def update(self, layer, S, z):  # in place: a compiled (CUDA-graph) step replays addresses
-        if self.state[layer] is None:
-            self.state[layer] = (S, z)
-        else:
-            self.state[layer][0].copy_(S)
-            self.state[layer][1].copy_(z)
+        old = self.state[layer]
+        self.state[layer] = (S, z) if old is None else (old[0].copy_(S), old[1].copy_(z))
 
 
 # 5. The transformer
 class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
     rope: Optional[tuple]                    # (cos, sin) at the tokens' positions, RoPE only
-    mask: Optional[torch.Tensor]             # None: causal; bool, or float bias (-inf: hidden)
+    mask: Optional[torch.Tensor] = None      # None: causal; bool, or float bias (-inf: hidden)
     distance: Optional[torch.Tensor] = None  # query x key distances (for rel_k's term)
-    slots: Optional[torch.Tensor] = None     # KV cache: where the new keys go (KVCache.place)
-    write_first: bool = True
 
 
 class Attention(nn.Module):
@@ -234,8 +242,7 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.rel_k = None  # shaw's table in this layer (lib/baselines.py's add_tables)
         if cfg.pos_encoding != "rope":
-            from lib import baselines  # lazily: a RoPE run imports no baseline code
-            baselines.add_tables(self, cfg, "attention")
+            baselines().add_tables(self, cfg, "attention")
 
     def forward(self, x, where, cache=None):
         B, T, _ = x.shape
@@ -252,7 +259,7 @@ class Attention(nn.Module):
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # SDPA wants q's dtype; the bias was built in float32
         if cache is not None:
-            k, v = cache.update(self.layer, where.slots, where.write_first, k, v)
+            k, v = cache.update(self.layer, k, v)
         return F.scaled_dot_product_attention(  # no mask and no cache: plain causal
             q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
             dropout_p=self.cfg.dropout if self.training else 0.0)
@@ -294,23 +301,20 @@ class RoFormer(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
         if cfg.pos_encoding != "rope":
-            from lib import baselines
-            baselines.add_tables(self, cfg, "model")
+            baselines().add_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
-        # Fixed tables (RoPE, sinusoidal): not in checkpoints (rope_scaling may change at
-        # inference), float32, built now and moved with the model, grown on demand.
+        # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
         for name in ("rope_cos", "rope_sin", "sin_emb"):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.pos_tables(cfg.context_window, "cpu")
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
-    def _apply(self, fn, *args, **kwargs):  # the tables stay float32 when the model is cast:
-        # .to(torch.bfloat16) would round them (cos/sin off by ~4e-3) for good
+    def _apply(self, fn, *args, **kwargs):  # casting the model would round the tables for good
         tables = {n: getattr(self, n) for n in ("rope_cos", "rope_sin", "sin_emb")}
         super()._apply(fn, *args, **kwargs)
         for name, before in tables.items():
@@ -327,28 +331,24 @@ class RoFormer(nn.Module):
         pos = torch.arange(max(n, c.block_size, 2 * have.size(0)), device="cpu")
         if c.pos_encoding == "rope":
             self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(
-                pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor))
+                pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor,
+                c.original_context))
         else:  # sinusoidal
-            from lib.baselines import sinusoidal_embedding
-            self.sin_emb = sinusoidal_embedding(pos, c.n_embd).to(device)
+            self.sin_emb = baselines().sinusoidal_embedding(pos, c.n_embd).to(device)
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
-        if self.config.pos_encoding == "rope":
-            return None
-        from lib import baselines
-        return baselines.position_embedding(self, pos, index)
+        rope = self.config.pos_encoding == "rope"
+        return None if rope else baselines().position_embedding(self, pos, index)
 
     def position_bias(self, d, visible):  # hook 2 of 2: a mask, or a float bias on the scores
         if self.config.pos_encoding not in RELATIVE:
             return visible  # visible: (Lq, Lk) bool, causality and the decoding window
-        from lib import baselines
-        return baselines.position_bias(self, d, visible)
+        return baselines().position_bias(self, d, visible)
 
     def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
-        c = self.config
-        if c.attention == "linear":
-            return RecurrentState(c.n_layer)
-        return KVCache(c.n_layer, min(total_len, c.context_window), c.context_window, device)
+        c, w = self.config, self.config.context_window
+        return (RecurrentState(c.n_layer) if c.attention == "linear" else
+                KVCache(c.n_layer, min(total_len, w), w, device))
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
@@ -367,14 +367,11 @@ class RoFormer(nn.Module):
         x, added = self.wte(idx), self.position_embedding(pos, index)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
-        where = Positions(rope, None)
-        if isinstance(cache, KVCache):
-            slots, write_first, distance, visible = cache.place(pos, start_pos)
-            where = Positions(rope, self.position_bias(distance, visible), distance, slots,
-                              write_first)
-        elif c.pos_encoding in RELATIVE:
-            distance = pos[:, None] - pos[None, :]
-            where = Positions(rope, self.position_bias(distance, distance >= 0), distance)
+        where = Positions(rope)
+        if isinstance(cache, KVCache) or c.pos_encoding in RELATIVE:
+            distance, visible = (cache.place(pos, start_pos) if isinstance(cache, KVCache) else
+                                 (pos[:, None] - pos[None, :], pos[:, None] >= pos[None, :]))
+            where = Positions(rope, self.position_bias(distance, visible), distance)
         for block in self.blocks:
             x = block(x, where, cache)
         logits = self.lm_head(self.ln_f(x))

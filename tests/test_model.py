@@ -512,7 +512,7 @@ def test_sampling_argument_validation():
     (dict(attention="flash"), "attention"),
     (dict(feature_map="softplus"), "feature_map"),
     (dict(pos_encoding="xpos"), "pos_encoding"),
-    (dict(rope_scaling="yarn"), "rope_scaling"),
+    (dict(rope_scaling="dynamic"), "rope_scaling"),
     (dict(block_size=0), "block_size"),
     (dict(dropout=1.0), "dropout"),
     # issue 20 item 9: a factor needs a scaling, and scaling needs RoPE
