@@ -44,8 +44,8 @@ from data.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
-from lib.checkpoint import dataset_dir, describe, load_run
 from lib.common import UserError, cli, configure, pick_device
+from sample import dataset_dir, describe, load_run
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"

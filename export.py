@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 
 from data.dataset import open_split
-from lib.checkpoint import dataset_dir, load_run
 from lib.common import UserError, atomic_write, cli, configure
 from model import ntk_base
+from sample import dataset_dir, load_run
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -65,7 +65,7 @@ MAPPED_FIELDS = {
     "dropout": ANY, "bias": (False, True), "rope_base": ANY, "rope_factor": ANY,
     "attention": ("softmax",), "pos_encoding": ("rope",), "rope_scaling": ("none", "linear", "ntk"),
     "feature_map": UNUSED, "linear_chunk": UNUSED, "linear_norm": UNUSED, "rel_clip": UNUSED,
-    "t5_buckets": UNUSED, "t5_max_distance": UNUSED,
+    "t5_buckets": UNUSED, "t5_max_distance": UNUSED, "rope_original": (0,),
 }
 
 

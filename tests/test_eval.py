@@ -2,7 +2,7 @@
 eval.py against independent references: the sliding window's coverage checked target by
 target, and the reported loss against a naive loop that runs the model once per scored token
 on exactly the context the window rule gives it (a closed form, not eval.py's loop). Also the
-shared loader's one-line errors (lib/checkpoint.py). The run here is trained for a few steps with
+shared loader's one-line errors (sample.py). The run here is trained for a few steps with
 the real train.py on a corpus built with data/common.py, so its tokenizer has the settings of
 every real run (identity normalisation, no dummy prefix, byte fallback, "\\n" piece).
 test_export.py reuses `make_run`.
@@ -207,7 +207,7 @@ def test_argument_and_input_errors(run, tmp_path):
 
 
 def test_loader_errors(run, tmp_path):
-    """checkpoint.load_run, shared with sample.py and export.py: missing folder or file, a
+    """sample.load_run, shared with sample.py and export.py: missing folder or file, a
     truncated file, weights that do not fit, a tokenizer retrained since."""
     a = ("--split=val",)
     assert "does not exist" in err(f"--out_dir={tmp_path / 'nope'}", *a)
@@ -398,15 +398,15 @@ def as_trained_on(ckpt, data):
 
 
 def another_corpus_in_data_dataset(tmp_path, monkeypatch):
-    """data/<dataset> next to the scripts (checkpoint.REPO, moved to tmp_path/repo) holds
+    """data/<dataset> next to the scripts (sample.REPO, moved to tmp_path/repo) holds
     another corpus with its own tokenizer: the folder the old search fell back to."""
-    from lib import checkpoint
+    import sample
     repo = tmp_path / "repo"
     texts = [t for _, t in corpus_docs(12, seed=11)]
     common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
                    vocab_size=350, val_fraction=0.3, min_val_tokens=20, num_proc=1,
                    log=lambda *a: None)
-    monkeypatch.setattr(checkpoint, "REPO", str(repo))
+    monkeypatch.setattr(sample, "REPO", str(repo))
     return repo
 
 

@@ -355,7 +355,7 @@ class QKNormRoFormer(RoFormer):
 def test_a_changed_model_is_refused_before_anything_is_written(run, tmp_path, monkeypatch, kind):
     if kind == "gguf":
         pytest.importorskip("gguf")
-    monkeypatch.setattr(checkpoint, "RoFormer", QKNormRoFormer)  # load_run builds this one
+    monkeypatch.setattr(decoding, "RoFormer", QKNormRoFormer)  # load_run builds this one
     args = run["ckpt"]["model_args"]
     state = QKNormRoFormer(RoFormerConfig(**args)).state_dict()
     out = save_run(tmp_path / "out", run["ckpt"], args, state)

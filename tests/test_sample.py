@@ -371,7 +371,7 @@ def test_argument_errors(ws, capsys, tmp_path):
     assert "does not exist" in err(capsys, f"--out_dir={tmp_path / 'nope'}")
     assert "no checkpoint" in err(capsys, f"--out_dir={tmp_path}")
     assert "prompt file" in err(capsys, o, f"--start=FILE:{tmp_path / 'missing.txt'}")
-    assert "rope_scaling" in err(capsys, o, "--rope_scaling=yarn")
+    assert "rope_scaling" in err(capsys, o, "--rope_scaling=dynamic")
     assert "compile must be" in err(capsys, o, "--compile=yes")
     for seed in (-1, 2 ** 64):  # torch.Generator.manual_seed takes [0, 2**64 - 1]
         assert "seed must be in [0, 2**64 - 1]" in err(capsys, o, f"--seed={seed}")
@@ -428,8 +428,7 @@ def test_moved_tokenizer_is_reported_as_missing_not_retrained(ws, capsys, tmp_pa
     """The recorded tokenizer is gone and data/<dataset>/tokenizer.model holds another one:
     the message says the run's file is missing and how to point to it, not "retrained"; the
     file at the new place is then accepted."""
-    from lib import checkpoint
-    monkeypatch.setattr(checkpoint, "REPO", str(tmp_path))
+    monkeypatch.setattr(sample, "REPO", str(tmp_path))
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     train_tokenizer(str(tmp_path / "data" / "tiny" / "tokenizer.model"), byte_fallback=False)
     ckpt = torch.load(os.path.join(ws["softmax"], "ckpt.pt"), weights_only=True)
