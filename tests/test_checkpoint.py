@@ -1,4 +1,4 @@
-"""lib/checkpoint.py, the one module that reads and writes checkpoints, and sample.py's load_run: its's RoPE scaling
+"""lib/checkpoint.py, the one module that reads and writes checkpoints, and sample.py's load_run: its RoPE scaling
 overrides against a model built with that scaling directly, files that are not checkpoints, a
 full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
 the training device/dtype rules of lib/common.pick_device. A mistake is a UserError whose
