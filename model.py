@@ -79,9 +79,8 @@ def baselines():  # lib/baselines.py, imported only when pos_encoding is not "ro
 
 @torch.no_grad()
 def init_parameter(name, p, n_layer, generator=None):
-    """The one init rule, by name (also lib/checkpoint.py's meta-device build's): matrices
-    normal(0, 0.02), residual projections c_proj scaled by 1/sqrt(2 n_layer) so the residual
-    stream's variance does not grow with depth; norm weights 1, biases 0."""
+    """The one init rule, by name (also for lib/checkpoint.py's meta-device build): matrices
+    normal(0, 0.02), residual projections c_proj / sqrt(2 n_layer); norm weights 1, biases 0."""
     if name.endswith("bias"):
         p.zero_()
     elif p.dim() == 1:
@@ -91,12 +90,11 @@ def init_parameter(name, p, n_layer, generator=None):
         p.normal_(0.0, std, generator=generator)
 
 
-# 2. RoPE. Channel i of a head pairs with channel i + d/2 ("half split", as GPT-NeoX) and turns
-# by m * theta_i at position m. The paper pairs adjacent channels: the same maths up to a fixed
-# permutation of q/k channels (but checkpoints are not interchangeable between the layouts).
+# 2. RoPE. Channel i of a head pairs with channel i + d/2 (GPT-NeoX's "half split"; the paper
+# pairs adjacent channels: the same maths up to a fixed permutation) and turns by m * theta_i.
 def ntk_base(base, factor, head_dim):
-    """Static NTK-aware scaling, also for both exports: plain RoPE with base * factor^(d/(d-2)),
-    which slows the lowest frequency `factor` times and keeps the highest; d > 2 (checked)."""
+    """Static NTK-aware scaling (also for both exports): plain RoPE with base * s^(d/(d-2)),
+    which slows the lowest frequency s times and keeps the highest."""
     return base * factor ** (head_dim / (head_dim - 2))
 
 
@@ -180,8 +178,8 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
 # 4. Decoding caches (sample.py gets them from RoFormer.new_cache and passes them in)
 class KVCache:
     """Per layer the keys and values of `size` positions in preallocated slots used as a ring
-    (position p in slot p % size), and the position each slot holds (-1: empty). Past the
-    window: sliding-window attention (not crop-and-recompute: deeper keys saw older tokens)."""
+    (position p in slot p % size), and each slot's position (-1: empty). Past the window:
+    sliding-window attention (not crop-and-recompute: deeper keys saw older tokens)."""
 
     def __init__(self, n_layer, size, window, device):
         self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
@@ -352,9 +350,8 @@ class RoFormer(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
-        With a cache, idx holds positions start_pos.. and also attends to the cached ones.
-        start_pos: an int, or in the static one-token step a (1,) tensor on idx's device (one
-        graph serves every position, nothing is read back to the host)."""
+        With a cache, idx holds positions start_pos.. and also attends to the cached ones;
+        start_pos is a (1,) tensor in the static one-token step (one graph for every position)."""
         c, T = self.config, idx.size(1)
         if isinstance(start_pos, torch.Tensor):  # table entries by gather, not a slice
             if T != 1:
