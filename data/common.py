@@ -19,6 +19,7 @@ import collections
 import hashlib
 import os
 import time
+import zipfile
 
 import numpy as np
 
@@ -29,9 +30,41 @@ from data.split import split_tokens
 from data.tokenizer import TokenizerSample, load_tokenizer, train_tokenizer
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib.common import REPO, UserError, cli
+from lib.common import REPO, UserError, cli, file_sha256
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
+
+
+def given_tokenizer(path):
+    """--tokenizer=RUN_OR_MODEL, checked before any work: (model bytes, processor, meta.json's
+    description) of a sentencepiece model, or of the one a run (out_dir or checkpoint) read."""
+    if not os.path.exists(path):
+        raise UserError(f"--tokenizer {path} does not exist")
+    if os.path.isdir(path) or zipfile.is_zipfile(path):  # a run: ckpt.pt is a zip archive
+        from lib.checkpoint import read  # torch and the model: only a run needs them
+        ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+        info = read(ckpt, mmap=True).get("tokenizer") or {}  # one line if not a checkpoint
+        # The file the run recorded, else data/<dataset>'s, whose sha256 is the run's (where
+        # sample.py's load_tokenizer looks): a copy of it passes train.py's same check.
+        sha, name = info.get("sha256"), str(info.get("dataset"))
+        where = [info.get("path"), os.path.join(DATA_DIR, name, "tokenizer.model")]
+        found = [f for f in where if f and os.path.isfile(f) and file_sha256(f) == sha]
+        if not found:  # moved or retrained since, or a dataset without one (no sha256)
+            raise UserError(f"--tokenizer {path}: the run's tokenizer ({where[0]}, sha256 "
+                            f"{str(sha)[:12]}) is not there as it was; pass a .model file")
+        path = found[0]
+    with open(path, "rb") as f:
+        model_bytes = f.read()
+    try:  # (empty bytes would load as an uninitialised model that logs errors on every call)
+        sp = load_tokenizer(model_bytes) if model_bytes else None
+    except RuntimeError:
+        sp = None
+    ids = (sp.unk_id(), sp.bos_id(), sp.eos_id()) if sp else None
+    if ids != (UNK_ID, BOS_ID, EOS_ID) or sp.piece_to_id("\n") == UNK_ID:  # what prepare needs
+        raise UserError(f"--tokenizer {path} gives no tokenizer prepare can use: a run, or a "
+                        f"sentencepiece model with unk, bos, eos = 0, 1, 2 and a newline piece")
+    return model_bytes, sp, dict(copied_from=os.path.abspath(path), vocab_size=sp.get_piece_size(),
+                                 sha256=hashlib.sha256(model_bytes).hexdigest())
 
 
 def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_tokens, num_proc,
@@ -145,7 +178,9 @@ def split_budget(total, val_fraction, val_tokens, min_val_tokens):
 
 def build_tokenizer(corpus, options, log):
     """The tokenizer trained on the scan's sample: (model bytes, its processor, meta.json's
-    description of it)."""
+    description of it); or the one --tokenizer gave."""
+    if options["given"]:  # --tokenizer: that one, as it is
+        return options["given"]
     vocab_size, model_type = options["vocab_size"], options["model_type"]
     lines = corpus.pop("sample").lines(corpus["skipped"])
     sample_size = sum(len(line.encode("utf-8")) for line in lines)
@@ -194,7 +229,8 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
     t0 = time.time()
     model_bytes, sp, tok_settings = build_tokenizer(corpus, options, log)
     dtype = np.dtype(dtype_for_vocab(sp.get_piece_size()))
-    log(f"tokenizer trained in {time.time() - t0:.1f}s, {sp.get_piece_size()} pieces")
+    log(f"tokenizer {'loaded' if options['given'] else 'trained'} in {time.time() - t0:.1f}s, "
+        f"{sp.get_piece_size()} pieces")
 
     t0, cpu0 = time.time(), workers.cpu_seconds()
     settings = dict(settings, model=model_bytes, dtype=dtype)
@@ -233,10 +269,10 @@ def os_error_message(e, out_dir):
 def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
             val_fraction=0.05, val_tokens=None, min_val_tokens=1025, sample_bytes=4_000_000,
             seed=1337, num_proc=None, text_field="text", undecodable="fail",
-            extra_meta=None, log=print):
+            tokenizer=None, extra_meta=None, log=print):
     """Build the dataset folder out_dir from sources [(name, kind, path)] (see
     sources.file_sources; kind "docs" takes a function returning an iterable of texts
-    instead of a path). Returns the meta dict written."""
+    instead of a path); tokenizer: a run or a .model to encode with. Returns the meta written."""
     t_start = time.time()
     # None is every core; 0 is a mistake, not a second way to say that
     num_proc = workers.default_num_proc() if num_proc is None else num_proc
@@ -246,7 +282,7 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
     options = dict(name=name, source=source, vocab_size=vocab_size, model_type=model_type,
                    val_fraction=val_fraction, val_tokens=val_tokens, seed=seed,
                    min_val_tokens=min_val_tokens, sample_bytes=sample_bytes,
-                   text_field=text_field)
+                   text_field=text_field, given=tokenizer and given_tokenizer(tokenizer))
     settings = {"text_fields": text_fields(text_field), "undecodable": undecodable, "seed": seed}
     raw_total = sum(os.path.getsize(w) for _, k, w in sources if k != "docs") or None
     tmps, created = tmp_names(out_dir), False
@@ -296,9 +332,10 @@ OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which trai
 def add_arguments(p, vocab_size=4096, val_fraction=0.05):
     """The options every prepare script shares; prepare_options(args) turns them into
     prepare()'s keyword arguments."""
-    p.add_argument("--vocab_size", type=int, default=vocab_size,
+    p.add_argument("--vocab_size", type=int, default=None,
                    help=f"default {vocab_size or 4096}; a char model without it takes every "
                         f"character of the sample + 256 bytes")
+    p.set_defaults(default_vocab_size=vocab_size)  # None above: given, or not (--tokenizer)
     p.add_argument("--val_fraction", type=float, default=val_fraction,
                    help="fraction of the tokens the validation split takes (exactly, rounded)")
     p.add_argument("--val_tokens", type=int, default=None, metavar="N",
@@ -312,12 +349,22 @@ def add_arguments(p, vocab_size=4096, val_fraction=0.05):
                    help="the tokenizer sample and the split (0 to 2**64 - 1)")
     p.add_argument("--num_proc", type=int, default=None, metavar="N",
                    help="worker processes (default: every core); the output is the same for any N")
+    p.add_argument("--tokenizer", default=None, metavar="RUN_OR_MODEL",
+                   help="encode with this tokenizer.model, or a run's (out_dir or checkpoint), "
+                        "instead of training one: the dataset fits that run")
 
 
 def prepare_options(args):
-    return dict(vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+    trains = [f"--{k}" for k in ("vocab_size", "model_type", "char")
+              if getattr(args, k, None) not in (None, False)]
+    if args.tokenizer and trains:
+        raise UserError(f"--tokenizer takes a tokenizer that exists; {' and '.join(trains)} "
+                        f"would train one: pass one or the other")
+    vocab_size = args.default_vocab_size if args.vocab_size is None else args.vocab_size
+    return dict(vocab_size=vocab_size, val_fraction=args.val_fraction,
                 val_tokens=args.val_tokens, min_val_tokens=args.min_val_tokens,
-                sample_bytes=args.sample_bytes, seed=args.seed, num_proc=args.num_proc)
+                sample_bytes=args.sample_bytes, seed=args.seed, num_proc=args.num_proc,
+                model_type=getattr(args, "model_type", None) or "bpe", tokenizer=args.tokenizer)
 
 
 def run(main_fn, argv):

@@ -7,6 +7,7 @@ with a freshly loaded tokenizer, a naive paragraph splitter, records written her
 import gzip
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import random
@@ -954,3 +955,102 @@ def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
     with pytest.raises(DatasetError, match="not valid JSON") as e:
         load_meta(str(ddir))
     assert str(ddir / "meta.json") in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- --tokenizer
+
+def prepare_with(corpus, out_dir, tokenizer, *extra):
+    """The text script with an existing tokenizer; the split options of prepare_folder."""
+    load_script("text").main(["--input", str(corpus), "--out_dir", str(out_dir), "--tokenizer",
+                              str(tokenizer), "--min_val_tokens", "50", "--val_fraction", "0.2",
+                              *extra])
+    return json.loads((out_dir / "meta.json").read_text())
+
+
+def test_tokenizer_option_writes_the_bytes_a_normal_prepare_writes(prepared, tmp_path):
+    """Corpus A prepared again with A's own tokenizer.model: the same encode and split, so the
+    same files; meta.json differs only in the tokenizer, which names the copy's sha256."""
+    root, _, meta = prepared
+    given = root / "out" / "tokenizer.model"
+    again = prepare_with(root / "mycorpus", tmp_path / "again", given)
+    for fn in ("train.bin", "val.bin", "tokenizer.model"):
+        assert (tmp_path / "again" / fn).read_bytes() == (root / "out" / fn).read_bytes(), fn
+    copied = (tmp_path / "again" / "tokenizer.model").read_bytes()
+    assert again["tokenizer"] == {"copied_from": str(given), "vocab_size": meta["vocab_size"],
+                                  "sha256": hashlib.sha256(copied).hexdigest()}
+    assert again == meta | {"tokenizer": again["tokenizer"], "name": "again"}
+
+
+def test_tokenizer_option_takes_a_runs_and_the_run_resumes_on_the_new_corpus(prepared,
+                                                                             tmp_path):
+    """A run trained on corpus A; corpus B prepared with --tokenizer=RUN (its out_dir, or its
+    checkpoint file) gets A's tokenizer.model byte for byte, the sha256 the run recorded, and
+    train.py resumes the run on B (it refuses a dataset whose tokenizer's sha256 differs)."""
+    import torch  # only here: the rest of data/ runs without it
+    from test_train import TINY, load, train
+    root, _, _ = prepared
+    run = tmp_path / "run"
+    train(f"--data_dir={root / 'out'}", f"--out_dir={run}", *TINY, "--max_iters=2")
+    make_corpus(tmp_path / "b", seed=1)
+    for i, given in enumerate((run, run / "ckpt.pt")):
+        meta = prepare_with(tmp_path / "b", tmp_path / f"b{i}", given)
+        copied = (tmp_path / f"b{i}" / "tokenizer.model").read_bytes()
+        assert copied == (root / "out" / "tokenizer.model").read_bytes()
+        assert meta["tokenizer"]["sha256"] == hashlib.sha256(copied).hexdigest()
+        assert meta["tokenizer"]["copied_from"] == str(root / "out" / "tokenizer.model")
+        assert meta["tokenizer"]["sha256"] == load(str(run))["tokenizer"]["sha256"]
+    train(f"--data_dir={tmp_path / 'b0'}", f"--out_dir={run}", *TINY, "--max_iters=4",
+          "--init_from=resume")
+    assert load(str(run))["iter_num"] == 4
+    # A run whose tokenizer was moved away since: said in one line, nothing written.
+    ckpt = load(str(run))
+    ckpt["tokenizer"] = dict(ckpt["tokenizer"], path=str(tmp_path / "gone.model"))
+    (tmp_path / "moved").mkdir()
+    torch.save(ckpt, tmp_path / "moved" / "ckpt.pt")
+    with pytest.raises(SystemExit) as e:
+        prepare_with(tmp_path / "b", tmp_path / "b2", tmp_path / "moved")
+    assert "gone.model" in str(e.value.code) and "not there as it was" in str(e.value.code)
+    assert not (tmp_path / "b2").exists()
+
+
+def not_a_tokenizer(d, kind):
+    """A --tokenizer value prepare cannot use, made in the folder d."""
+    ids = {"no newline": {}, "other ids": dict(bos_id=-1, eos_id=1, user_defined_symbols="\n")}
+    if kind in ids:  # sentencepiece models, but not as prepare makes them
+        buf = io.BytesIO()
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(WORDS * 3), model_writer=buf,
+                                       vocab_size=60, minloglevel=2, **ids[kind])
+        (d / f"{kind}.model").write_bytes(buf.getvalue())
+    (d / "text.txt").write_text("not a model")
+    (d / "empty.model").write_bytes(b"")
+    return {"missing": d / "nope", "folder": d, "text": d / "text.txt",
+            "empty": d / "empty.model"}.get(kind, d / f"{kind}.model")
+
+
+@pytest.mark.parametrize("kind, extra, phrases", [
+    ("missing", [], ["does not exist"]),
+    ("folder", [], ["cannot load", "ckpt.pt"]),  # a folder without a checkpoint
+    ("text", [], ["no tokenizer prepare can use"]),
+    ("empty", [], ["no tokenizer prepare can use"]),
+    ("no newline", [], ["no tokenizer prepare can use"]),
+    ("other ids", [], ["no tokenizer prepare can use"]),
+    ("missing", ["--vocab_size", "400"], ["--vocab_size would train one"]),
+    ("missing", ["--model_type", "bpe"], ["--model_type would train one"]),  # even the default
+])
+def test_error_tokenizer_option(tmp_path, kind, extra, phrases):
+    """One line each, before any work: nothing written."""
+    make_corpus(tmp_path / "c", n_files=2)
+    (tmp_path / "g").mkdir()
+    r = run_script("text", "--input", str(tmp_path / "c"), "--out_dir", str(tmp_path / "o"),
+                   "--tokenizer", str(not_a_tokenizer(tmp_path / "g", kind)), *extra)
+    assert_fails(r, *phrases)
+    assert not (tmp_path / "o").exists()
+
+
+def test_error_tokenizer_option_with_char(prepared, tmp_path):
+    root, texts, _ = prepared
+    (tmp_path / "in.txt").write_text("\n\n".join(texts.values()))
+    r = run_script("shakespeare", "--input", str(tmp_path / "in.txt"), "--char", "--out_dir",
+                   str(tmp_path / "o"), "--tokenizer", str(root / "out" / "tokenizer.model"))
+    assert_fails(r, "--char would train one")
+    assert not (tmp_path / "o").exists()

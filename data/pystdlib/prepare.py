@@ -48,15 +48,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", default="pystdlib",
                    help=f"default: data/pystdlib; {common.OUT_DIR_HELP}")
-    p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char"])
+    p.add_argument("--model_type", choices=["bpe", "unigram", "char"], help="default bpe")
     common.add_arguments(p)
     args = p.parse_args(argv)
 
     def body(_):
         sources, source = stdlib_sources()
         return common.prepare(common.resolve_out_dir(args.out_dir), "pystdlib", sources, source,
-                              model_type=args.model_type, undecodable="skip",
-                              **common.prepare_options(args))
+                              undecodable="skip", **common.prepare_options(args))
     return common.run(body, argv)
 
 

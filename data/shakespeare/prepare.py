@@ -61,10 +61,9 @@ def main(argv=None):
         out_dir = common.resolve_out_dir(args.out_dir or name)
         options = common.prepare_options(args)
         if args.char:
-            options["vocab_size"] = 0  # every character seen + the byte pieces
+            options.update(vocab_size=0, model_type="char")  # every character seen + bytes
         return common.prepare(out_dir, name, file_sources(find_files([path])),
-                              os.path.abspath(path), model_type="char" if args.char else "bpe",
-                              **options)
+                              os.path.abspath(path), **options)
     return common.run(body, argv)
 
 

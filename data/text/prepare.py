@@ -34,7 +34,7 @@ def main(argv=None):
     p.add_argument("--text_field", default="text",
                    help="the JSON field / parquet column that holds a document; several names, "
                         "comma-separated (text,content): the first one a record has")
-    p.add_argument("--model_type", default="bpe", choices=["bpe", "unigram", "char"])
+    p.add_argument("--model_type", choices=["bpe", "unigram", "char"], help="default bpe")
     p.add_argument("--undecodable", default="fail", choices=["fail", "skip"],
                    help="a text file that is not UTF-8, or a JSON/parquet record without a "
                         "string --text_field, stops the run (fail) or is left out (skip); a "
@@ -50,8 +50,7 @@ def main(argv=None):
         out_dir = common.resolve_out_dir(args.out_dir)
         return common.prepare(out_dir, os.path.basename(out_dir), sources,
                               " ".join(os.path.abspath(x) for x in args.input),
-                              model_type=args.model_type, text_field=args.text_field,
-                              undecodable=args.undecodable, **options)
+                              text_field=args.text_field, undecodable=args.undecodable, **options)
     return common.run(body, argv)
 
 
