@@ -113,7 +113,8 @@ def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original
     if scaling == "yarn":
         dim = lambda r: head_dim * math.log(original / (2 * math.pi * r)) / (2 * math.log(base))
         low, high = max(math.floor(dim(32)), 0), min(math.ceil(dim(1)), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2).double() - low) / ((high - low) or 1e-3)).clamp(0, 1)
+        i = torch.arange(head_dim // 2, device="cpu").double()  # cpu: also under device("meta")
+        ramp = ((i - low) / ((high - low) or 1e-3)).clamp(0, 1)  # 0: theta_i, 1: theta_i / s
         inv_freq, gain = inv_freq * (1 - ramp + ramp / factor), 0.1 * math.log(factor) + 1.0
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)
     angle = torch.outer(pos, inv_freq)

@@ -43,7 +43,8 @@ sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`,
 out_dir = "out"
 dataset = "pystdlib"         # data/<dataset>/: train.bin, val.bin, meta.json, tokenizer.model
 data_dir = ""                # "" means data/<dataset> next to this script
-init_from = "scratch"        # "scratch" | "resume" (from out_dir/ckpt.pt)
+init_from = "scratch"        # "scratch" | "resume" (from out_dir/ckpt.pt) | RUN: a new run
+                             # from RUN's weights (a run folder or a ckpt.pt): a fine-tune
 eval_interval = 250          # evaluate, log and checkpoint every this many iterations
 eval_iters = 20              # batches per split per evaluation
 log_interval = 10            # progress: bar postfix, or one plain line when not on a terminal
@@ -107,8 +108,8 @@ if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's p
                     f"rate would rise while it decays; lower --min_lr as well")
 if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
     raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
-if init_from not in ("scratch", "resume"):
-    raise UserError(f"init_from must be 'scratch' or 'resume', got {init_from!r}")
+if not init_from:
+    raise UserError("init_from must be 'scratch', 'resume' or a run folder or checkpoint file")
 if warmup_iters > lr_decay_iters:
     raise UserError(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters "
                     f"({lr_decay_iters})")
@@ -173,14 +174,19 @@ config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded
 # data, out_dir, and the checkpoint to resume from
 ddir, meta = run.open_dataset(dataset, data_dir, master, ddp)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
+tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
+source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
+if init_from not in ("scratch", "resume"):
+    source, source_args = run.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir)
+    config.update(source_args, init_from=os.path.abspath(init_from))
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
-tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
 run.prepare_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 run_id, restarts = run.run_identity()
-ckpt, init_from = run.resume_or_start(out_dir, init_from, run_id, restarts, master, ddp)
+ckpt, init_from = run.resume_or_start(out_dir, "scratch" if source else init_from, run_id,
+                                      restarts, master, ddp)
 resumed = ckpt is not None
 if resumed:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
@@ -255,6 +261,9 @@ if resumed:
         print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens, "
               f"run {str(ckpt.get('run_id'))[:8]}", flush=True)
     del ckpt
+elif source is not None:  # weights only: a fresh optimizer and schedule, iteration 0
+    checkpoint.load_weights(raw_model, source["model"], config["init_from"])
+    del source
 start_iter = iter_num
 
 

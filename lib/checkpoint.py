@@ -162,6 +162,19 @@ def load_state(ckpt, path, raw_model, optimizer):
         group.update(kept)
 
 
+def load_weights(raw_model, weights, path):
+    """init_from=RUN: RUN's full weights into this run's model (cut into shards under FSDP)."""
+    try:
+        if hasattr(raw_model, "reshard"):
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_model_state_dict)
+            set_model_state_dict(raw_model, weights, options=StateDictOptions(full_state_dict=True))
+        else:
+            raw_model.load_state_dict(weights)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(misfit(path, e)) from None
+
+
 def rng_state():
     """The process's global RNG states (torch, numpy, python) in a form weights_only loads."""
     npst = np.random.get_state()

@@ -184,6 +184,42 @@ def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
     return ckpt, init_from
 
 
+# What a run continued from another (init_from=RUN) may change: its context, and dropout.
+CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor", "rope_original", "dropout",
+                "linear_chunk")
+
+
+def continue_from(source, config, model_keys, tokenizer, out_dir):
+    """init_from=RUN (a run folder or a checkpoint file): (its checkpoint, the new run's model
+    args) after the checks a refused start must make before out_dir is touched: RUN's tokenizer
+    (sha256), every model-shape key equal to RUN's, another out_dir. The context may change;
+    RUN's original context is kept (or a second extension would compound the first)."""
+    path = os.path.join(source, "ckpt.pt") if os.path.isdir(source) else source
+    if not os.path.isfile(path):
+        raise UserError(f"init_from={source}: no such checkpoint file or run folder with ckpt.pt")
+    if os.path.abspath(os.path.dirname(path)) == os.path.abspath(out_dir):
+        raise UserError(f"init_from={source} is out_dir itself: a new run needs its own out_dir "
+                        f"(init_from=resume continues the same run)")
+    ckpt = read(path, mmap=True)
+    theirs = ckpt["model_args"]
+    if (ckpt.get("tokenizer") or {}).get("sha256") != tokenizer["sha256"]:
+        raise UserError(f"init_from={source} was trained with another tokenizer than "
+                        f"{tokenizer['path']}: prepare this corpus with --tokenizer={source}")
+    args = {k: config[k] for k in model_keys}
+    if args["vocab_size"] == 0:  # not given: RUN's (perhaps padded past the tokenizer's)
+        args["vocab_size"] = theirs["vocab_size"]
+    args["rope_original"] = args["rope_original"] or theirs.get("rope_original") or \
+        theirs["block_size"]
+    for k in model_keys:
+        if k not in CONTEXT_KEYS and args[k] != theirs.get(k, args[k]):
+            raise UserError(f"{k}={args[k]!r} but init_from={source} has {k}={theirs[k]!r}: the "
+                            f"model's shape must be RUN's (pass its config, or --{k}={theirs[k]})")
+    if args["pos_encoding"] == "learned" and args["block_size"] != theirs["block_size"]:
+        raise UserError(f"pos_encoding='learned' has one row per position: block_size cannot "
+                        f"change from init_from's {theirs['block_size']}")
+    return ckpt, args
+
+
 def check_resume(ckpt, config, tokenizer, loop_keys, master):
     """Resume only with the checkpoint's tokenizer; note (rank 0) the keys this command
     changes. Model keys always come from the checkpoint; `loop_keys` only say how long and how

@@ -975,3 +975,74 @@ def test_wandb_without_a_login_is_one_line_and_leaves_no_out_dir(data, tmp_path)
     line = one_line_error(r)
     assert "wandb" in line and "login" in line
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------
+# init_from=RUN: a new run from another run's weights (fine-tuning, a longer window)
+
+@pytest.fixture(scope="module")
+def base_run(data, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("base") / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=12", "--eval_interval=12")
+    return out
+
+
+def test_init_from_starts_a_new_run_from_the_weights_with_a_longer_window(data, base_run,
+                                                                           tmp_path):
+    """Iteration 0 of the new run holds RUN's weights exactly (max_iters=0 saves the start);
+    it has its own id, a fresh optimizer and schedule, the window original * factor with the
+    original context RUN's block_size; a continuation of the continuation keeps that original
+    (extensions do not compound)."""
+    base = load(base_run)
+    start = str(tmp_path / "start")
+    r = train(f"--data_dir={data}", f"--out_dir={start}", *TINY, f"--init_from={base_run}",
+              "--block_size=128", "--rope_scaling=yarn", "--rope_factor=4", "--max_iters=0")
+    ck = load(start)
+    assert max_diff(ck["model"], base["model"]) == 0.0
+    assert ck["iter_num"] == 0 and ck["run_id"] != base["run_id"]
+    assert ck["config"]["init_from"] == os.path.abspath(base_run)
+    args = ck["model_args"]
+    assert (args["block_size"], args["rope_original"], args["rope_scaling"]) == (128, 32, "yarn")
+    from model import RoFormerConfig
+    assert RoFormerConfig(**args).context_window == 4 * 32
+    assert "resumed" not in r.stdout
+    # five steps: the optimizer's own step count, not RUN's 12 + 5; warmup from the start
+    tuned = str(tmp_path / "tuned")
+    train(f"--data_dir={data}", f"--out_dir={tuned}", *TINY, f"--init_from={base_run}",
+          "--block_size=128", "--rope_scaling=yarn", "--rope_factor=4", "--max_iters=5",
+          "--eval_interval=5")
+    ck = load(tuned)
+    steps = {int(s["step"]) for s in ck["optimizer"]["state"].values()}
+    assert steps == {5} and ck["iter_num"] == 5
+    assert log(tuned)[0]["lr"] == pytest.approx(3e-3 * 1 / 3)  # warmup_iters=2: (0+1)/(2+1)
+    again = str(tmp_path / "again")
+    train(f"--data_dir={data}", f"--out_dir={again}", *TINY, f"--init_from={tuned}",
+          "--block_size=256", "--rope_scaling=yarn", "--rope_factor=8", "--max_iters=0")
+    assert load(again)["model_args"]["rope_original"] == 32
+
+
+def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tmp_path):
+    """Everything init_from=RUN refuses is refused before out_dir exists: a shape key that is
+    not RUN's (named), another tokenizer, RUN's own out_dir, a path with no checkpoint, learned
+    positions asked to change block_size."""
+    other_tok = str(tmp_path / "other_tok")
+    shutil.copytree(data, other_tok)
+    with open(os.path.join(other_tok, "tokenizer.model"), "wb") as f:
+        f.write(b"not the run's tokenizer")
+    cases = [([f"--data_dir={data}", "--n_embd=64"], "n_embd=64"),
+             ([f"--data_dir={data}", "--attention=linear"], "attention="),
+             ([f"--data_dir={other_tok}"], "another tokenizer"),
+             ([f"--data_dir={data}", f"--init_from={tmp_path / 'nowhere'}"], "no such"),
+             ([f"--data_dir={data}", "--pos_encoding=learned"], "pos_encoding=")]
+    for i, (extra, words) in enumerate(cases):
+        out = str(tmp_path / f"out{i}")
+        r = train(*TINY, f"--out_dir={out}", f"--init_from={base_run}", *extra, "--max_iters=2",
+                  check=False)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+        assert words in lines[0], lines[0]
+        assert not os.path.exists(out)
+    before = load(base_run)["iter_num"]
+    r = train(f"--data_dir={data}", *TINY, f"--out_dir={base_run}", f"--init_from={base_run}",
+              "--max_iters=2", check=False)
+    assert r.returncode == 1 and "own out_dir" in r.stderr and load(base_run)["iter_num"] == before
