@@ -25,7 +25,7 @@ charge the model for separators prepare never trains it on. So bits per byte is 
 byte of the text it is measured on.
 
 Text longer than the window is scored with a sliding window: windows of
-block_size tokens (block_size * rope_factor with --rope_scaling) start every `stride` tokens;
+block_size tokens (original context * rope_factor when scaled) start every `stride` tokens;
 the first scores all its tokens, each later one only the tokens past the previous window, so
 each of those has at least window - stride tokens of context. --split=val scores the run's own
 val.bin (its end-of-document tokens included: loss but no bytes).
@@ -57,8 +57,8 @@ batch_size = 8          # windows per forward
 device = "auto"         # auto: cuda if available, else cpu
 dtype = "auto"          # auto: bfloat16 on a CUDA GPU that supports it (else float16), float32 on CPU
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
-rope_scaling = ""       # "" keeps the checkpoint's; none, linear or ntk (RoPE only), as sample.py
-rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is block_size * rope_factor
+rope_scaling = ""       # "" keeps the checkpoint's; none, linear, ntk or yarn, as sample.py
+rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is original context * factor
 json = False            # print one JSON line instead of the table
 # -----------------------------------------------------------------------------------------
 CONFIG_KEYS = ("out_dir", "input", "split", "text_field", "stride", "batch_size", "device",
@@ -82,8 +82,8 @@ def windows(n, block, stride):
 def score(model, seqs, stride, batch_size):
     """Sum of -log p(token | its window) over every target token of every sequence, in float64,
     and the number of tokens scored. seqs: 1-d int64 arrays whose first token is context. The
-    window is the model's context_window (block_size, times rope_factor when scaled): a full
-    forward grows the rotation tables on demand."""
+    window is the model's context_window (original context * rope_factor, at least
+    block_size): a full forward grows the rotation tables on demand."""
     window = model.config.context_window
     dev = next(model.parameters()).device
     jobs = [(s, w) for s in seqs for w in windows(len(s), window, stride)]

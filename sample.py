@@ -68,11 +68,12 @@ def load_tokenizer(info, override):
 
 def rescale(model_args, rope_scaling, rope_factor):
     """model_args with the inference-time RoPE scaling applied ("" / 0: keep the checkpoint's).
-    "none" means factor 1: it switches a checkpoint's scaling off."""
+    "none" means factor 1: it switches a checkpoint's scaling off. rope_original stays (absent
+    in older runs: block_size), so a fine-tuned run's window is its pretraining context * factor."""
     scaling = rope_scaling or model_args.get("rope_scaling", "none")
     if scaling == "none":
         if rope_factor not in (0, 1):
-            raise UserError("rope_factor needs --rope_scaling=linear or --rope_scaling=ntk")
+            raise UserError("rope_factor needs --rope_scaling=linear, ntk or yarn")
         factor = 1.0
     else:
         factor = rope_factor or model_args.get("rope_factor", 1.0)
@@ -326,8 +327,8 @@ use_cache = True        # False: the reference loop that recomputes the last blo
 compile = "auto"        # compile the per-token decode step: True | False | auto (on only where it
                         # was measured to pay for its compile time at this length; see below)
 stop_at_eos = True      # a sample ends when the model closes its document
-rope_scaling = ""       # "" keeps the checkpoint's; "none" | "linear" | "ntk" override it (RoPE only)
-rope_factor = 0.0       # 0 keeps the checkpoint's; else how many times block_size to cover
+rope_scaling = ""       # "" keeps the checkpoint's; "none" | "linear" | "ntk" | "yarn" override it
+rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is original context * factor
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
 # -----------------------------------------------------------------------------------------
 

@@ -243,7 +243,7 @@ def reference_nats(model, sp, docs, block, stride):
                               [sp.eos_id()] + sp.encode(d), block, stride) for d in docs)
 
 
-@pytest.mark.parametrize("scaling", ["linear", "ntk"])
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn"])
 def test_rope_scaling_widens_the_scoring_window(run, capsys, scaling):
     """--rope_scaling/--rope_factor as in sample.py: windows of block_size * factor tokens on
     the scaled model, and --json reports that window as block_size."""

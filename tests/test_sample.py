@@ -324,18 +324,19 @@ def test_generation_past_block_size(ws, capsys, attention):
     assert run(capsys, *a, "--use_cache=False").out  # crop-and-recompute also goes past it
 
 
-def test_rope_scaling_override_reaches_the_model(ws, capsys, tmp_path):
+@pytest.mark.parametrize("scaling", ["ntk", "yarn"])
+def test_rope_scaling_override_reaches_the_model(ws, capsys, tmp_path, scaling):
     """Sharpened attention (q/k weights x8) so positions visibly steer sampling; then the
-    text under --rope_scaling=ntk is the reference model's with that config, not the plain
-    one's."""
+    text under --rope_scaling=ntk (or yarn) is the reference model's with that config, not the
+    plain one's."""
     sharpened(ws["softmax"], tmp_path)
     sp, n = ws["sp"], 2 * BLOCK
     a = (f"--out_dir={tmp_path}", "--start=def f", f"--max_new_tokens={n}",
          "--temperature=1.0", "--top_k=0", "--stop_at_eos=False", "--seed=2")
-    r = run(capsys, *a, "--rope_scaling=ntk", "--rope_factor=4")
-    assert "rope_scaling ntk x4" in r.err
+    r = run(capsys, *a, f"--rope_scaling={scaling}", "--rope_factor=4")
+    assert f"rope_scaling {scaling} x4" in r.err
     (ref,) = reference(str(tmp_path), sp.encode("def f"), n, 2, temperature=1.0,
-                       rope_scaling="ntk", rope_factor=4.0)
+                       rope_scaling=scaling, rope_factor=4.0)
     assert r.out == sp.decode(ref) + "\n"
     assert r.out != run(capsys, *a).out  # the override changed what was sampled
 
