@@ -63,9 +63,10 @@ ANY, UNUSED = "any", "unused"
 MAPPED_FIELDS = {
     "vocab_size": ANY, "block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
     "dropout": ANY, "bias": (False, True), "rope_base": ANY, "rope_factor": ANY,
-    "attention": ("softmax",), "pos_encoding": ("rope",), "rope_scaling": ("none", "linear", "ntk"),
+    "rope_original": ANY, "rope_scaling": ("none", "linear", "ntk", "yarn"),
+    "attention": ("softmax",), "pos_encoding": ("rope",),
     "feature_map": UNUSED, "linear_chunk": UNUSED, "linear_norm": UNUSED, "rel_clip": UNUSED,
-    "t5_buckets": UNUSED, "t5_max_distance": UNUSED, "rope_original": (0,),
+    "t5_buckets": UNUSED, "t5_max_distance": UNUSED,
 }
 
 
@@ -147,13 +148,16 @@ def neox_config(c, eos_id, torch_dtype):
     (rope_parameters) and the older way (rotary_pct, rotary_emb_base, rope_scaling) that other
     GPT-NeoX readers use."""
     head_dim = c.n_embd // c.n_head
-    theta, context, scaling = c.rope_base, c.block_size, None
+    theta, context, scaling = c.rope_base, c.context_window, None
     if c.rope_scaling == "ntk":  # static NTK-aware scaling is plain RoPE with a larger base
         theta = ntk_base(c.rope_base, c.rope_factor, head_dim)
-        context = int(c.block_size * c.rope_factor)
     elif c.rope_scaling == "linear" and c.rope_factor != 1.0:  # positions divided by factor
         scaling = {"rope_type": "linear", "type": "linear", "factor": c.rope_factor}
-        context = int(c.block_size * c.rope_factor)
+    elif c.rope_scaling == "yarn":  # model.py computes transformers' yarn with truncate=True;
+        # betas written though they are its defaults, so a reader with other defaults agrees
+        scaling = {"rope_type": "yarn", "type": "yarn", "factor": c.rope_factor, "truncate": True,
+                   "original_max_position_embeddings": c.original_context,
+                   "beta_fast": 32.0, "beta_slow": 1.0}
     rope = dict(scaling or {"rope_type": "default"}, rope_theta=theta, partial_rotary_factor=1.0)
     return {
         "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",

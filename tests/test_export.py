@@ -70,9 +70,10 @@ def save_run(folder, ckpt, model_args, state):
 
 
 def max_logit_diff(model, hf, seed=0):
-    """On random ids of full block length, batch 2."""
+    """On random ids of the whole window (block_size, or the scaled original context), batch 2."""
     c = model.config
-    idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=torch.Generator().manual_seed(seed))
+    idx = torch.randint(0, c.vocab_size, (2, c.context_window),
+                        generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return (hf(idx).logits - model(idx)[0]).abs().max().item()
 
@@ -94,14 +95,18 @@ def test_folder_config_and_tied_head(run):
     assert hf.generation_config.eos_token_id == run["sp"].eos_id()
 
 
-@pytest.mark.parametrize("scaling,factor,bias", [("none", 1.0, False), ("linear", 2.0, False),
-                                                 ("ntk", 4.0, False), ("none", 1.0, True)])
-def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling, factor, bias):
+@pytest.mark.parametrize("scaling,factor,bias,original", [
+    ("none", 1.0, False, 0), ("linear", 2.0, False, 0), ("ntk", 4.0, False, 0),
+    ("none", 1.0, True, 0), ("yarn", 2.0, False, 0),
+    # fine-tune-like: RoPE trained at 16, the block (64) is the window, 4x the original
+    ("yarn", 4.0, False, 16), ("linear", 4.0, False, 16), ("ntk", 4.0, False, 16)])
+def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling, factor, bias,
+                                                         original):
     """Fresh weights, made sharp (q/k x10) so positions steer the output, random biases and
-    LayerNorm gains when bias=True: HF logits equal ours within 1e-4, and greedy decoding
-    gives the same 32 tokens."""
+    LayerNorm gains when bias=True: HF logits equal ours within 1e-4 over the whole window
+    (past the original context), and greedy decoding gives the same 32 tokens."""
     args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, bias=bias, rope_scaling=scaling,
-                rope_factor=factor)
+                rope_factor=factor, rope_original=original)
     torch.manual_seed(1)
     model = RoFormer(RoFormerConfig(**args)).eval()
     with torch.no_grad():
@@ -116,6 +121,11 @@ def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling,
     export.main([f"--out_dir={out}", "--check=False"])
     hf = load_hf(os.path.join(out, "hf"))
     assert max_logit_diff(model, hf) < 1e-4
+    assert hf.config.max_position_embeddings == model.config.context_window
+    if scaling == "yarn":  # truncate=False would be another model (tests/test_rope_scaling.py)
+        rope = hf.config.rope_parameters
+        assert (rope["truncate"], rope["original_max_position_embeddings"], rope["factor"]) == \
+            (True, model.config.original_context, factor)
     if scaling != "none":  # the scaling matters on this model, so dropping it would show
         plain = RoFormer(RoFormerConfig(**dict(args, rope_scaling="none", rope_factor=1.0))).eval()
         plain.load_state_dict(model.state_dict())
