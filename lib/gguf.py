@@ -29,15 +29,14 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 # --- metadata ------------------------------------------------------------------------------
 
 def rope_metadata(c):
-    """(freq_base, context length, linear scaling factor or None) for llama.cpp's RoPE. Static
-    NTK-aware scaling is plain RoPE with a larger base, so it is written as that base; linear
-    scaling (positions divided by the factor) has its own keys."""
-    head_dim = c.n_embd // c.n_head
+    """(freq_base, llama.cpp's scaling type) for our RoPE. Static NTK-aware scaling is plain RoPE
+    with a larger base, so it is written as that base and "none" (llama.cpp takes a missing type
+    for "linear"). llama.cpp's yarn is transformers' with truncate=True, as ours: corr dims
+    floor/ceil, ramp over the pair index, cos and sin times 0.1 ln s + 1 (computed by llama.cpp
+    from the factor, which it stores inverted as freq_scale)."""
     if c.rope_scaling == "ntk":
-        return ntk_base(c.rope_base, c.rope_factor, head_dim), c.context_window, None
-    if c.rope_scaling == "linear" and c.rope_factor != 1.0:
-        return c.rope_base, c.context_window, c.rope_factor
-    return c.rope_base, c.block_size, None
+        return ntk_base(c.rope_base, c.rope_factor, c.n_embd // c.n_head), "none"
+    return c.rope_base, c.rope_scaling if c.rope_factor != 1.0 else "none"
 
 
 def vocabulary(proto, vocab_size):
@@ -58,7 +57,7 @@ def vocabulary(proto, vocab_size):
 def gguf_metadata(c, sp, proto, gguf_type, name):
     """Every key the file gets: {key: (value, GGUFValueType, array item type or None)}."""
     T, K = gguf.GGUFValueType, gguf.Keys
-    freq_base, context, linear_factor = rope_metadata(c)
+    freq_base, scaling = rope_metadata(c)
     pieces, scores, types = vocabulary(proto, c.vocab_size)
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type]
@@ -68,7 +67,7 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
         K.General.FILE_TYPE: (int(file_type), T.UINT32, None),
         K.General.QUANTIZATION_VERSION: (gguf.GGML_QUANT_VERSION, T.UINT32, None),
         K.LLM.VOCAB_SIZE: (c.vocab_size, T.UINT32, None),
-        K.LLM.CONTEXT_LENGTH: (context, T.UINT32, None),
+        K.LLM.CONTEXT_LENGTH: (c.context_window, T.UINT32, None),
         K.LLM.EMBEDDING_LENGTH: (c.n_embd, T.UINT32, None),
         K.LLM.FEED_FORWARD_LENGTH: (4 * c.n_embd, T.UINT32, None),
         K.LLM.BLOCK_COUNT: (c.n_layer, T.UINT32, None),
@@ -77,6 +76,7 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
         K.Attention.LAYERNORM_EPS: (LAYER_NORM_EPS, T.FLOAT32, None),
         K.Rope.DIMENSION_COUNT: (c.n_embd // c.n_head, T.UINT32, None),  # the whole head rotates
         K.Rope.FREQ_BASE: (float(freq_base), T.FLOAT32, None),
+        K.Rope.SCALING_TYPE: (scaling, T.STRING, None),
         K.Tokenizer.MODEL: ("llama", T.STRING, None),  # llama.cpp's name for sentencepiece (SPM)
         K.Tokenizer.LIST: (pieces, T.ARRAY, T.STRING),
         K.Tokenizer.SCORES: (scores, T.ARRAY, T.FLOAT32),
@@ -92,10 +92,12 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
     }
     if sp.bos_id() >= 0:  # named, so that llama.cpp does not guess one; never added
         meta[K.Tokenizer.BOS_ID] = (sp.bos_id(), T.UINT32, None)
-    if linear_factor:
-        meta[K.Rope.SCALING_TYPE] = ("linear", T.STRING, None)
-        meta[K.Rope.SCALING_FACTOR] = (float(linear_factor), T.FLOAT32, None)
-        meta[K.Rope.SCALING_ORIG_CTX_LEN] = (c.block_size, T.UINT32, None)
+    if scaling != "none":  # the original context, or llama.cpp takes the window for it
+        meta[K.Rope.SCALING_FACTOR] = (float(c.rope_factor), T.FLOAT32, None)
+        meta[K.Rope.SCALING_ORIG_CTX_LEN] = (c.original_context, T.UINT32, None)
+    if scaling == "yarn":  # llama.cpp's defaults, read by some architectures: ours, explicitly
+        meta[K.Rope.SCALING_YARN_BETA_FAST] = (32.0, T.FLOAT32, None)
+        meta[K.Rope.SCALING_YARN_BETA_SLOW] = (1.0, T.FLOAT32, None)
     return {key.format(arch=ARCH): value for key, value in meta.items()}
 
 

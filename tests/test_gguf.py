@@ -97,7 +97,9 @@ def test_metadata_and_vocabulary_read_back(run, kind):
         assert meta[f"gptneox.{key}"] == value, key
     assert meta["gptneox.rope.freq_base"] == pytest.approx(c.rope_base)
     assert meta["gptneox.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
-    assert not any("rope.scaling" in key for key in meta)
+    # no scaling, said explicitly: llama.cpp takes a missing type for "linear"
+    assert [key for key in meta if "rope.scaling" in key] == ["gptneox.rope.scaling.type"]
+    assert meta["gptneox.rope.scaling.type"] == "none"
     # the tokenizer, against sentencepiece's own API
     n = sp.get_piece_size()
     assert meta["tokenizer.ggml.model"] == "llama"
@@ -182,15 +184,26 @@ def layer_norm(x, weight, bias, eps=1e-5):
     return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
 
 
-def neox_rope(x, base, freq_scale=1.0):
+def neox_rope(x, base, freq_scale=1.0, yarn_ctx=0):
     """llama.cpp's NEOX rotation (rope type 2): channel i pairs with i + d/2, angle
-    position * freq_scale * base^(-2i/d). x: (T, H, D)."""
+    position * freq_scale * base^(-2i/d). With YaRN (ggml's rope_yarn, ext_factor 1, betas
+    32 and 1, n_ctx_orig = yarn_ctx): pair i mixes the interpolated and the original angle by
+    1 - clamp((i - lo) / max(hi - lo, 0.001)), lo/hi the floor/ceil of the correction dims
+    d ln(n_ctx_orig / (2 pi beta)) / (2 ln base) clamped to [0, d - 1], and cos and sin are
+    scaled by 1 + 0.1 ln(1 / freq_scale). x: (T, H, D)."""
     T, _, D = x.shape
     theta = base ** (-np.arange(D // 2, dtype=np.float64) * 2 / D)
-    angle = (np.arange(T)[:, None] * freq_scale * theta)[:, None, :]
+    scaled, gain = freq_scale * theta, 1.0
+    if yarn_ctx:
+        def dim(beta):  # ggml_rope_yarn_corr_dim: the pair that turns `beta` times in n_ctx_orig
+            return D * math.log(yarn_ctx / (2 * math.pi * beta)) / (2 * math.log(base))
+        lo, hi = max(0, math.floor(dim(32))), min(D - 1, math.ceil(dim(1)))
+        mix = 1 - np.clip((np.arange(D // 2) - lo) / max(hi - lo, 0.001), 0, 1)
+        scaled, gain = scaled * (1 - mix) + theta * mix, 1 + 0.1 * math.log(1 / freq_scale)
+    angle = (np.arange(T)[:, None] * scaled)[:, None, :]
+    cos, sin = gain * np.cos(angle), gain * np.sin(angle)
     a, b = x[..., :D // 2], x[..., D // 2:]
-    return np.concatenate([a * np.cos(angle) - b * np.sin(angle),
-                           a * np.sin(angle) + b * np.cos(angle)], -1)
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
 
 
 def gptneox_forward(path, ids):
@@ -201,7 +214,10 @@ def gptneox_forward(path, ids):
     W = lambda name: tensor(reader, name)  # noqa: E731
     H = meta["gptneox.attention.head_count"]
     base = meta["gptneox.rope.freq_base"]
-    freq_scale = 1.0 / meta.get("gptneox.rope.scaling.factor", 1.0)
+    kind = meta.get("gptneox.rope.scaling.type", "linear")  # llama.cpp's default
+    freq_scale = 1.0 / meta.get("gptneox.rope.scaling.factor", 1.0) if kind != "none" else 1.0
+    yarn_ctx = meta.get("gptneox.rope.scaling.original_context_length",
+                        meta["gptneox.context_length"]) if kind == "yarn" else 0
     x = W("token_embd.weight")[ids]
     T, C = x.shape
     causal = np.triu(np.full((T, T), -np.inf), 1)
@@ -210,7 +226,7 @@ def gptneox_forward(path, ids):
         h = layer_norm(x, W(b + "attn_norm.weight"), W(b + "attn_norm.bias"))
         qkv = h @ W(b + "attn_qkv.weight").T + W(b + "attn_qkv.bias")
         q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, C // H) for j in range(3))
-        q, k = neox_rope(q, base, freq_scale), neox_rope(k, base, freq_scale)
+        q, k = neox_rope(q, base, freq_scale, yarn_ctx), neox_rope(k, base, freq_scale, yarn_ctx)
         scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(C // H) + causal
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -237,12 +253,16 @@ def sharp_run(run, folder, **changes):
     return model, save_run(folder, run["ckpt"], args, model.state_dict())
 
 
-@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("linear", 2.0), ("ntk", 4.0)])
-def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scaling, factor):
+@pytest.mark.parametrize("scaling,factor,original", [
+    ("none", 1.0, 0), ("linear", 2.0, 0), ("ntk", 4.0, 0), ("yarn", 2.0, 0),
+    ("yarn", 4.0, 16), ("linear", 4.0, 16)])  # fine-tune-like: RoPE trained at 16, block 64
+def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scaling, factor,
+                                                             original):
     """qkv layout, rotation and RoPE scaling: the float64 gptneox forward over the f32 file
     gives our model's logits (so q/k/v come back out of attn_qkv exactly as ours), and it
     would not if the heads were interleaved the HF way or the scaling dropped."""
-    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor)
+    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
+                           rope_original=original)
     path = str(tmp_path / "m.gguf")
     export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
     ids = torch.randint(0, model.config.vocab_size, (2 * BLOCK,),
@@ -251,14 +271,18 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
         ours = model(ids[None])[0][0].double().numpy()
     assert np.abs(gptneox_forward(path, ids.numpy()) - ours).max() < 1e-4
     _, meta = fields(path)
-    head = model.config.n_embd // model.config.n_head
-    assert meta["gptneox.context_length"] == int(BLOCK * factor)
-    if scaling == "linear":
-        assert meta["gptneox.rope.scaling.type"] == "linear"
-        assert meta["gptneox.rope.scaling.factor"] == pytest.approx(factor)
-    elif scaling == "ntk":  # NTK-aware scaling is RoPE with a larger base
+    c, head = model.config, model.config.n_embd // model.config.n_head
+    assert meta["gptneox.context_length"] == max(BLOCK, int((original or BLOCK) * factor))
+    scaled = {k[len("gptneox.rope.scaling."):]: v for k, v in meta.items() if "rope.scaling" in k}
+    if scaling in ("linear", "yarn"):  # llama.cpp's own keys; betas are its defaults, as ours
+        assert scaled.pop("type") == scaling and scaled.pop("factor") == pytest.approx(factor)
+        assert scaled.pop("original_context_length") == (original or BLOCK)
+        assert scaled == ({"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0} if scaling == "yarn"
+                          else {})
+    else:  # NTK-aware scaling is RoPE with a larger base, and no scaling
+        assert scaled == {"type": "none"}
         assert meta["gptneox.rope.freq_base"] == pytest.approx(
-            model.config.rope_base * factor ** (head / (head - 2)), rel=1e-6)
+            c.rope_base * factor ** (head / (head - 2)) if scaling == "ntk" else c.rope_base)
     # the HF layout (per head [q, k, v]) would be another model
     reader, _ = fields(path)
     qkv = tensor(reader, "blk.0.attn_qkv.weight")
@@ -452,14 +476,18 @@ def test_export_check_line_reports_a_match(run, capsys, tmp_path):
     assert "greedy 24 tokens equal" in line
 
 
-@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("linear", 2.0), ("ntk", 4.0)])
-def test_llama_cpp_logits_equal_ours_with_rope_scaling(run, tmp_path, scaling, factor):
-    """Sharp attention (positions matter) over twice block_size: llama.cpp's logits for the f32
-    file are ours, with linear scaling read from its keys and NTK as its larger base."""
-    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor)
+@pytest.mark.parametrize("scaling,factor,original", [
+    ("none", 1.0, 0), ("linear", 2.0, 0), ("ntk", 4.0, 0), ("yarn", 2.0, 0),
+    ("yarn", 4.0, 16)])  # fine-tune-like: RoPE trained at 16, block 64 = the window
+def test_llama_cpp_logits_equal_ours_with_rope_scaling(run, tmp_path, scaling, factor, original):
+    """Sharp attention (positions matter) over the whole window, past the original context:
+    llama.cpp's logits for the f32 file are ours, with linear and YaRN scaling read from its
+    keys (YaRN's ramp and attention factor computed by llama.cpp) and NTK as its larger base."""
+    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
+                           rope_original=original)
     path = str(tmp_path / "m.gguf")
     export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
-    ids = torch.randint(0, model.config.vocab_size, (int(BLOCK * factor),),
+    ids = torch.randint(0, model.config.vocab_size, (model.config.context_window,),
                         generator=torch.Generator().manual_seed(1))
     llm = llama(path, n_ctx=len(ids))
     llm.eval(ids.tolist())
