@@ -92,17 +92,14 @@ assert set(MODEL_KEYS) <= set(defaults), "a RoFormerConfig field has no training
 config = configure(defaults, sys.argv[1:])
 globals().update(config)
 
-for key in ("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
-            "log_interval", "lr_decay_iters"):
-    if config[key] < 1:
-        raise UserError(f"{key} must be >= 1, got {config[key]}")
-for key in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
-            "grad_clip"):
-    if not config[key] >= 0:  # 0 is meaningful for each: 0 iterations evaluate the start
-        raise UserError(f"{key} must be >= 0, got {config[key]}")
-for key in ("beta1", "beta2", "muon_momentum"):
-    if not 0 <= config[key] < 1:
-        raise UserError(f"{key} must be in [0, 1), got {config[key]}")
+for keys, ok, rule in [  # 0 is meaningful for the second group: 0 iterations evaluate the start
+        (("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
+          "log_interval", "lr_decay_iters"), lambda v: v >= 1, ">= 1"),
+        (("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
+          "grad_clip"), lambda v: v >= 0, ">= 0"),
+        (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "in [0, 1)")]:
+    for key in (k for k in keys if not ok(config[k])):
+        raise UserError(f"{key} must be {rule}, got {config[key]}")
 if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
     raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
                     f"rate would rise while it decays; lower --min_lr as well")
