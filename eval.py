@@ -215,6 +215,7 @@ def passkey_grid(model, sp, cfg, lengths, band):
     words, rng, cells, depths = filler_words(), random.Random(cfg["seed"]), [], cfg["depths"]
     # every cell asks the same keys with the same filler: only length and depth differ
     draws = [(rng.randint(10000, 99999), rng.randrange(len(words))) for _ in range(cfg["samples"])]
+    prompt_ids(sp, words, draws[0][1], min(lengths), 0, draws[0][0])  # too short: fail first
     if not cfg["json"]:
         print(f"passkey accuracy, {len(draws)} prompts a cell, window_mode {cfg['window_mode']}\n"
               f"{'length':>8}" + "".join(f"{d:>7g}" for d in depths))
