@@ -5,6 +5,8 @@ Measure a trained run on text: loss in nats per token, perplexity, and bits per 
     python eval.py --out_dir=out-small --input=docs/,README.md --json
     python eval.py --out_dir=out-small --split=val
     python eval.py --out_dir=out-small --input=long.txt --rope_scaling=ntk --rope_factor=4
+    python eval.py --out_dir=out-small --input=long.txt --lengths=256,1024,4096 --window_mode=local
+    python eval.py --out_dir=out-small --passkey --lengths=256,1024 --depths=0,0.5,1
 
 Nats per token depend on the tokenizer (a bigger vocab puts more text in each token), so runs
 with different vocabularies, or other models, compare only in bits per byte: the total loss in
@@ -29,10 +31,17 @@ block_size tokens (original context * rope_factor when scaled) start every `stri
 the first scores all its tokens, each later one only the tokens past the previous window, so
 each of those has at least window - stride tokens of context. --split=val scores the run's own
 val.bin (its end-of-document tokens included: loss but no bytes).
+
+--lengths=L1,L2,...: a row per length L, the same tokens scored with windows of L tokens (stride
+default L/2), so only the context differs (L past the trained window: extrapolation).
+--window_mode=local: each token sees only its last context_window tokens. --passkey: greedy
+recall of a 5-digit key put at each --depths fraction of prompts of about L tokens.
 """
 import json as jsonlib
 import math
 import os
+import random
+import re
 import sys
 import time
 
@@ -45,6 +54,7 @@ from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
 from lib.common import UserError, cli, configure, pick_device
+from model import KVCache
 from sample import dataset_dir, describe, load_run
 
 # -----------------------------------------------------------------------------------------
@@ -60,9 +70,17 @@ tokenizer = ""          # "" uses the path recorded in the checkpoint; either wa
 rope_scaling = ""       # "" keeps the checkpoint's; none, linear, ntk or yarn, as sample.py
 rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is original context * factor
 json = False            # print one JSON line instead of the table
+lengths = ""            # L1,L2,...: a row per window length ("": the model's window)
+window_mode = "full"    # local: each token sees only its last context_window tokens (a band)
+passkey = False         # passkey retrieval accuracy per length and depth instead of text
+depths = "0,0.25,0.5,0.75,1"  # --passkey: where the key sits, as a fraction of the filler
+samples = 10            # --passkey: prompts per (length, depth) cell
+seed = 1337             # --passkey: draws the keys and where the filler starts
 # -----------------------------------------------------------------------------------------
 CONFIG_KEYS = ("out_dir", "input", "split", "text_field", "stride", "batch_size", "device",
-               "dtype", "tokenizer", "rope_scaling", "rope_factor", "json")
+               "dtype", "tokenizer", "rope_scaling", "rope_factor", "json", "lengths",
+               "window_mode", "passkey", "depths", "samples", "seed")
+ANSWER = 7  # tokens --passkey decodes: " 12345" takes 6 at most, 1 more shows no digit follows
 
 
 def windows(n, block, stride):
@@ -79,12 +97,13 @@ def windows(n, block, stride):
 
 
 @torch.no_grad()
-def score(model, seqs, stride, batch_size):
+def score(model, seqs, stride, batch_size, window=None, band=None):
     """Sum of -log p(token | its window) over every target token of every sequence, in float64,
     and the number of tokens scored. seqs: 1-d int64 arrays whose first token is context. The
-    window is the model's context_window (original context * rope_factor, at least
-    block_size): a full forward grows the rotation tables on demand."""
-    window = model.config.context_window
+    window defaults to the model's context_window (original context * rope_factor, at least
+    block_size): a full forward grows the rotation tables on demand. band: each token sees only
+    its last `band` tokens (None: the whole window)."""
+    window, c = window or model.config.context_window, model.config
     dev = next(model.parameters()).device
     jobs = [(s, w) for s in seqs for w in windows(len(s), window, stride)]
     nats, count = 0.0, 0
@@ -95,7 +114,9 @@ def score(model, seqs, stride, batch_size):
         for row, (s, (start, end, first)) in enumerate(jobs[i:i + batch_size]):
             x[row, :end - start] = torch.from_numpy(s[start:end])
             y[row, first - start - 1:end - start] = torch.from_numpy(s[first:end + 1])
-        logits = model(x.to(dev))[0].float()
+        # a cache as long as the window, filled by this one forward: only for its band mask
+        cache = KVCache(c.n_layer, window, band, dev) if band else None
+        logits = model(x.to(dev), cache=cache)[0].float()
         y = y.to(dev)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1,
                                reduction="sum")
@@ -136,23 +157,88 @@ def own_split(ckpt, split_name):
 
 def parse_config(argv):
     cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv)
-    if bool(cfg["input"]) == bool(cfg["split"]):
-        raise UserError("pass either --input=FILE[,FILE...] (text files or folders) or "
-                        "--split=val")
+    if bool(cfg["input"]) + bool(cfg["split"]) + cfg["passkey"] != 1:
+        raise UserError("pass either --input=FILE[,FILE...] (text files or folders), "
+                        "--split=val or --passkey")
     if cfg["split"] not in ("", "val", "train"):
         raise UserError(f"split must be val or train, got {cfg['split']!r}")
-    if cfg["batch_size"] < 1 or cfg["stride"] < 0:
-        raise UserError("batch_size must be >= 1 and stride >= 0 (0: half the window)")
+    if cfg["batch_size"] < 1 or cfg["stride"] < 0 or cfg["samples"] < 1:
+        raise UserError("batch_size, samples must be >= 1 and stride >= 0 (0: half the window)")
+    if cfg["window_mode"] not in ("full", "local"):
+        raise UserError(f"window_mode must be full or local, got {cfg['window_mode']!r}")
+    try:
+        cfg["lengths"] = [int(n) for n in cfg["lengths"].split(",")] if cfg["lengths"] else []
+        cfg["depths"] = [float(d) for d in cfg["depths"].split(",")]
+    except ValueError as e:
+        raise UserError(f"lengths takes integers, depths numbers (comma-separated): {e}") from None
+    if min(cfg["lengths"] or [2]) < 2 or not all(0 <= d <= 1 for d in cfg["depths"]):
+        raise UserError(f"lengths must be >= 2 and depths between 0 and 1, got "
+                        f"{cfg['lengths']} and {cfg['depths']}")
     return cfg
 
 
-def report(result, seconds):
-    tokens, nbytes = result["tokens"], result["bytes"]
-    print(f"{result['input']}: {tokens:,} tokens, {nbytes:,} bytes ({nbytes / tokens:.2f} "
-          f"bytes/token); window {result['block_size']}, stride {result['stride']}; "
-          f"{tokens / seconds:,.0f} tok/s")
-    print(f"loss {result['nats_per_token']:.4f} nats/token | perplexity "
-          f"{result['perplexity']:.2f} | {result['bits_per_byte']:.4f} bits/byte")
+def check_lengths(model, cfg, lengths):
+    """The band each token sees (None: full attention), once the lengths fit stride and model."""
+    c = model.config
+    if cfg["stride"] > min(lengths):
+        raise UserError(f"stride {cfg['stride']} is larger than the window {min(lengths)}: "
+                        f"tokens would be skipped")
+    if c.pos_encoding == "learned" and max(lengths) + cfg["passkey"] * ANSWER > c.block_size:
+        raise UserError(f"learned positions end at block_size={c.block_size}: no length past it")
+    if cfg["window_mode"] == "local" and c.attention == "linear":
+        raise UserError("window_mode=local bands softmax attention; linear attention keeps "
+                        "its whole history in a recurrent state")
+    return c.context_window if cfg["window_mode"] == "local" else None
+
+
+@torch.no_grad()
+def greedy(model, ids, band, vocab):
+    """The ANSWER argmax tokens (ids < vocab) after the prompt ids, each seeing its last `band`
+    tokens (the model's rolling cache) or, with band None, all of them (a cache that holds all)."""
+    c, dev, total = model.config, next(model.parameters()).device, len(ids) + ANSWER
+    full = c.attention == "softmax" and not band
+    cache = KVCache(c.n_layer, total, total, dev) if full else model.new_cache(total, dev)
+    x, pos, out = torch.tensor([ids], device=dev), 0, []
+    for _ in range(ANSWER):
+        logits = model(x, cache=cache, start_pos=pos)[0]
+        pos, x = pos + x.size(1), logits[:, -1:, :vocab].argmax(-1)
+        out.append(x.item())
+    return out
+
+
+def passkey_grid(model, sp, cfg, lengths, band):
+    """Accuracy per length (rows) and depth (columns), or a JSON line per cell."""
+    from data.passkey.prepare import QUESTION, filler_words, prompt_ids
+    probe = f"{QUESTION} 0123456789"
+    if sp.unk_id() in sp.encode(probe) or sp.decode(sp.encode(probe)) != probe:
+        raise UserError(f"--passkey needs a tokenizer that encodes {probe!r}; this one does not")
+    words, rng, cells, depths = filler_words(), random.Random(cfg["seed"]), [], cfg["depths"]
+    # every cell asks the same keys with the same filler: only length and depth differ
+    draws = [(rng.randint(10000, 99999), rng.randrange(len(words))) for _ in range(cfg["samples"])]
+    prompt_ids(sp, words, draws[0][1], min(lengths), 0, draws[0][0])  # too short: fail first
+    if not cfg["json"]:
+        print(f"passkey accuracy, {len(draws)} prompts a cell, window_mode {cfg['window_mode']}\n"
+              f"{'length':>8}" + "".join(f"{d:>7g}" for d in depths))
+    for length in lengths:
+        for depth in depths:
+            hits = 0
+            for key, start in draws:
+                ids = prompt_ids(sp, words, start, length, depth, key)
+                answer = sp.decode(greedy(model, ids, band, sp.get_piece_size()))
+                hits += re.match(r"\s*(\d*)", answer).group(1) == str(key)
+            cells.append(dict(length=length, depth=depth, samples=len(draws), correct=hits,
+                              accuracy=hits / len(draws), window_mode=cfg["window_mode"]))
+            if cfg["json"]:
+                print(jsonlib.dumps(cells[-1]))
+        if not cfg["json"]:
+            print(f"{length:>8}" + "".join(f"{c['accuracy']:>7.2f}" for c in cells[-len(depths):]))
+    return cells
+
+
+def report(r, seconds):  # a row per window length
+    print(f"window {r['block_size']}, stride {r['stride']}: loss {r['nats_per_token']:.4f} "
+          f"nats/token | perplexity {r['perplexity']:.2f} | {r['bits_per_byte']:.4f} bits/byte"
+          f" | {r['tokens'] / seconds:,.0f} tok/s")
 
 
 @cli
@@ -167,16 +253,15 @@ def main(argv):
             raise UserError(f"cannot read {e.filename}: {e.strerror}") from None
     model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
                                cfg["rope_scaling"], cfg["rope_factor"])
-    window = model.config.context_window
-    stride = cfg["stride"] or max(1, window // 2)
-    if stride > window:
-        raise UserError(f"stride {stride} is larger than the window {window}: tokens would be "
-                        f"skipped")
+    lengths = cfg["lengths"] or [model.config.context_window]
+    band = check_lengths(model, cfg, lengths)
     eos = sp.eos_id()
     if eos < 0:
         raise UserError("the tokenizer has no end-of-document piece (eos_id) to start a text from")
     if not cfg["json"]:
         print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
+    if cfg["passkey"]:
+        return passkey_grid(model, sp, cfg, lengths, band)
 
     # every sequence starts with the end-of-document token: context only, never scored
     if cfg["split"]:
@@ -185,21 +270,26 @@ def main(argv):
         nbytes = len(sp.decode(ids.tolist()).encode("utf-8"))
     else:
         seqs = [np.array([eos] + sp.encode(t), dtype=np.int64) for t in texts]
-    if sum(len(s) - 1 for s in seqs) == 0:
+    tokens, results = sum(len(s) - 1 for s in seqs), []
+    if tokens == 0:
         raise UserError("the input is empty: no tokens to score")
-
-    t0 = time.perf_counter()
-    nats, count = score(model, seqs, stride, cfg["batch_size"])
-    result = {"out_dir": cfg["out_dir"], "input": source, "tokens": count, "bytes": nbytes,
-              "nats_per_token": nats / count, "perplexity": math.exp(nats / count),
-              "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-              "block_size": window, "stride": stride, "iter_num": ckpt.get("iter_num"),
-              "dtype": cfg["dtype"]}
-    if cfg["json"]:
-        print(jsonlib.dumps(result))
-    else:
-        report(result, time.perf_counter() - t0)
-    return result
+    if not cfg["json"]:
+        print(f"{source}: {tokens:,} tokens, {nbytes:,} bytes ({nbytes / tokens:.2f} bytes/"
+              f"token), window_mode {cfg['window_mode']}")
+    for length in lengths:
+        stride, t0 = cfg["stride"] or max(1, length // 2), time.perf_counter()
+        nats, count = score(model, seqs, stride, cfg["batch_size"], length, band)
+        results.append({
+            "out_dir": cfg["out_dir"], "input": source, "tokens": count, "bytes": nbytes,
+            "nats_per_token": nats / count, "perplexity": math.exp(nats / count),
+            "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
+            "block_size": length, "stride": stride, "window_mode": cfg["window_mode"],
+            "iter_num": ckpt.get("iter_num"), "dtype": cfg["dtype"]})
+        if cfg["json"]:
+            print(jsonlib.dumps(results[-1]))
+        else:
+            report(results[-1], time.perf_counter() - t0)
+    return results if cfg["lengths"] else results[0]
 
 
 if __name__ == "__main__":

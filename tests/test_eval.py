@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -457,3 +458,178 @@ def test_split_of_an_older_checkpoint_keeps_its_search(run, capsys, tmp_path, mo
     shutil.rmtree(data)
     msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={tmp_path / 'original.model'}")
     assert str(repo / "data" / "tiny") in msg and "not the dataset this run read" in msg
+
+
+# --- window lengths, local windows and passkey retrieval (issue 30) ---------------------------
+
+def json_rows(capsys, *args):
+    capsys.readouterr()
+    evalpy.main([*args, "--json"])
+    return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+
+
+def banded_logits(model, window):
+    """The last position's logits of a full forward whose causal mask is cut, by hand, to each
+    query's last `window` positions (test_contract.banded: no KV cache involved)."""
+    from test_contract import banded, wrapped_sdpa
+
+    def logits(ctx):
+        with wrapped_sdpa(banded(window, [])):
+            return model(torch.tensor([ctx]))[0][0, -1]
+    return logits
+
+
+def test_lengths_rows_equal_naive_per_length(run, capsys):
+    """--lengths: a row per L, each target scored on exactly the context of its window of L
+    tokens (stride L/2), L past the trained window included; every row scores the same tokens
+    over the same bytes."""
+    files = [run["root"] / "long.txt", run["root"] / "short.txt"]
+    lengths = [16, 40, BLOCK, 2 * BLOCK + 5]
+    rows = json_rows(capsys, f"--out_dir={run['out']}", f"--input={files[0]},{files[1]}",
+                     f"--lengths={','.join(map(str, lengths))}", "--batch_size=3")
+    sp, docs = run["sp"], [f.read_text(encoding="utf-8") for f in files]
+    tokens = sum(len(sp.encode(d)) for d in docs)
+    assert tokens > 2 * (2 * BLOCK + 5)  # the longest window slides too
+    assert [r["block_size"] for r in rows] == lengths
+    assert [r["stride"] for r in rows] == [n // 2 for n in lengths]
+    for r, n in zip(rows, lengths):
+        assert (r["tokens"], r["bytes"]) == (tokens, sum(len(d.encode("utf-8")) for d in docs))
+        nats = reference_nats(run["model"], sp, docs, n, n // 2)
+        assert r["nats_per_token"] * r["tokens"] == pytest.approx(nats, rel=1e-5)
+    capsys.readouterr()
+    evalpy.main([f"--out_dir={run['out']}", f"--input={files[0]}", "--lengths=16,80"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in out if line.startswith("window")] == \
+        ["window 16", "window 80"]
+
+
+def test_window_mode_local_equals_a_band_mask_built_by_hand(run, capsys):
+    """--window_mode=local: each token sees its last block_size tokens inside windows of any
+    length. The reference runs every target alone on its window's context, in a full forward
+    whose causal mask is cut to the band by hand; past the band it differs from full."""
+    files = [run["root"] / "long.txt", run["root"] / "short.txt"]  # two files: two documents
+    a = (f"--out_dir={run['out']}", f"--input={files[0]},{files[1]}", "--lengths=40,150")
+    local = json_rows(capsys, *a, "--window_mode=local", "--batch_size=3")
+    full = json_rows(capsys, *a)
+    band = banded_logits(run["model"], BLOCK)
+    for r, n in zip(local, (40, 150)):
+        with torch.no_grad():
+            nats = sum(naive_nats(band, [run["sp"].eos_id()] + run["sp"].encode(
+                f.read_text(encoding="utf-8")), n, n // 2) for f in files)
+        assert r["window_mode"] == "local" and r["tokens"] == full[0]["tokens"]
+        assert r["nats_per_token"] * r["tokens"] == pytest.approx(nats, rel=1e-5)
+    assert local[0]["nats_per_token"] == pytest.approx(full[0]["nats_per_token"], rel=1e-6)
+    assert abs(local[1]["nats_per_token"] - full[1]["nats_per_token"]) > 1e-4
+
+
+def test_greedy_decoding_equals_a_loop_of_full_forwards():
+    """eval's greedy decoder (one cache) against argmax over a full forward of the whole
+    sequence per token: with all the context, and with the hand-built band. The model is
+    test_contract's (float64, weights spread off init) so that the band changes the tokens."""
+    from test_contract import build
+    model = build(RoFormerConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.randint(0, 40, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = lambda ctx: model(torch.tensor([ctx]))[0][0, -1]  # noqa: E731
+    got = {}
+    for band, logits in ((None, full), (16, banded_logits(model, 16))):
+        for prompt in (ids[:10], ids):
+            seq = list(prompt)
+            with torch.no_grad():
+                for _ in range(evalpy.ANSWER):
+                    seq.append(int(logits(seq)[:37].argmax()))
+            got[band, len(prompt)] = evalpy.greedy(model, prompt, band, 37)
+            assert got[band, len(prompt)] == seq[len(prompt):]
+    assert got[None, 10] == got[16, 10] and got[None, 50] != got[16, 50]
+
+
+def oracle(sp, seen):
+    """A stand-in for greedy decoding that reads the key off the prompt: when fewer than half
+    of the filler words come before the key sentence, it answers the key followed by "." for
+    an even key and by another digit (no exact match) for an odd one; else a wrong key."""
+    def decode(model, ids, band, vocab):
+        text = sp.decode(ids)
+        key = re.search(r"The pass key is (\d+)\. Remember it\.", text).group(1)
+        before = len(text.split(f"The pass key is {key}.")[0].split())
+        n = len(text.split()) - 7 - 9  # the key sentence's words and the question's
+        seen.append(dict(tokens=len(ids), key=int(key), before=before, filler=n))
+        early = before < n / 2
+        return sp.encode(f" {key}{'.' if int(key) % 2 == 0 else '7'}" if early else " 12345")
+    return decode
+
+
+def test_passkey_grid_counts_exact_matches(run, capsys, monkeypatch):
+    """--passkey: a cell per (length, depth), --samples prompts of at most L tokens each, the
+    key after round(depth * words) filler words, the same keys in every cell; accuracy counted
+    against what the oracle answered; the table has a row per length."""
+    seen, sp = [], run["sp"]
+    monkeypatch.setattr(evalpy, "greedy", oracle(sp, seen))
+    a = (f"--out_dir={run['out']}", "--passkey", "--lengths=128,300", "--depths=0,0.2,0.8,1",
+         "--samples=6", "--seed=5")
+    cells = json_rows(capsys, *a)
+    assert [(c["length"], c["depth"]) for c in cells] == \
+        [(n, d) for n in (128, 300) for d in (0, 0.2, 0.8, 1)]
+    for i, c in enumerate(cells):
+        prompts = seen[6 * i:6 * (i + 1)]
+        assert [p["key"] for p in prompts] == [p["key"] for p in seen[:6]]
+        assert all(p["tokens"] <= c["length"] and p["filler"] > 8 for p in prompts)
+        assert all(p["before"] == round(c["depth"] * p["filler"]) for p in prompts)
+        want = sum(p["before"] < p["filler"] / 2 and p["key"] % 2 == 0 for p in prompts)
+        assert (c["samples"], c["correct"], c["accuracy"]) == (6, want, want / 6)
+    assert 0 < cells[0]["correct"] < 6 and cells[-1]["correct"] == 0  # every branch taken
+    capsys.readouterr()
+    evalpy.main(list(a))
+    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert table[-3] == ["length", "0", "0.2", "0.8", "1"]
+    assert [row[0] for row in table[-2:]] == ["128", "300"]
+    assert [float(x) for x in table[-2][1:]] == [round(c["accuracy"], 2) for c in cells[:4]]
+
+
+def test_passkey_on_the_trained_model(run, capsys):
+    """The real path end to end (the tiny model knows no pass key): a full grid, local too."""
+    for mode in ("full", "local"):
+        cells = json_rows(capsys, f"--out_dir={run['out']}", "--passkey", "--lengths=80,150",
+                          "--depths=0,1", "--samples=2", f"--window_mode={mode}")
+        assert len(cells) == 4 and all(0 <= c["accuracy"] <= 1 for c in cells)
+
+
+def test_lengths_passkey_and_window_errors(run, tmp_path):
+    o = f"--out_dir={run['out']}"
+    t = f"--input={run['root'] / 'short.txt'}"
+    for bad in ("32,abc", "1.5", ","):
+        assert "lengths takes integers" in err(o, t, f"--lengths={bad}")
+    assert "lengths must be >= 2" in err(o, t, "--lengths=32,1")
+    assert "depths between 0 and 1" in err(o, "--passkey", "--depths=0,1.5")
+    assert "depths numbers" in err(o, "--passkey", "--depths=half")
+    assert "window_mode must be" in err(o, t, "--window_mode=sliding")
+    assert "either --input" in err(o, t, "--passkey")
+    assert "samples must be" in err(o, "--passkey", "--samples=0")
+    assert "stride 20 is larger than the window 16" in err(o, t, "--lengths=64,16", "--stride=20")
+    assert "too short for a passkey prompt" in err(o, "--passkey", "--lengths=8")
+    # linear attention has no band to cut (the same weights load as either kind)
+    ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
+    ckpt["model_args"] = dict(ckpt["model_args"], attention="linear")
+    (tmp_path / "linear").mkdir()
+    torch.save(ckpt, tmp_path / "linear" / "ckpt.pt")
+    assert "local bands softmax" in err(f"--out_dir={tmp_path / 'linear'}", t,
+                                        "--window_mode=local")
+    learned = RoFormer(RoFormerConfig(vocab_size=300, block_size=BLOCK, n_layer=1, n_head=2,
+                                      n_embd=16, pos_encoding="learned"))
+    cfg = {"stride": 0, "passkey": False, "window_mode": "full"}
+    assert "learned positions end" in one_line_error(evalpy.check_lengths, learned, cfg,
+                                                     [BLOCK, BLOCK + 1])
+    evalpy.check_lengths(learned, cfg, [BLOCK])  # up to block_size is fine
+
+
+def test_passkey_needs_a_tokenizer_that_encodes_digits(run, tmp_path):
+    """A tokenizer without byte fallback that never saw a digit turns the key into unknown
+    pieces: a one-line error before any prompt is built."""
+    import io
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["What is the pass key? The pass key is here."] * 20),
+        model_writer=buf, model_type="char", vocab_size=30, byte_fallback=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    cfg = {"depths": [0.5], "samples": 1, "seed": 0, "json": True, "window_mode": "full"}
+    msg = one_line_error(evalpy.passkey_grid, run["model"], sp, cfg, [BLOCK], None)
+    assert "needs a tokenizer that encodes" in msg
