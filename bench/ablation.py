@@ -427,8 +427,9 @@ def keep_sinks(model, n_sink):
             recent = (d >= 0) & (d < bs - n_sink)
             sink = (d >= 0) & (key_pos[None, :] >= 0) & (key_pos[None, :] < n_sink)
             kept = pos[-size:]
-            cache.slot_pos[kept % size] = kept
-            return kept % size, False, d, (recent | sink) & (key_pos[None, :] >= 0)
+            cache.slots, cache.write_first = kept % size, False  # what update() then uses
+            cache.slot_pos[cache.slots] = kept
+            return d, (recent | sink) & (key_pos[None, :] >= 0)
 
         cache.place = place  # an instance attribute: this cache object only
         return cache
