@@ -1,17 +1,11 @@
 """
-A run as one GGUF file, the format llama.cpp, ollama and LM Studio read (export.py --gguf
-imports it only then).
-
-The model is llama.cpp's `gptneox` architecture, the same block the HF export maps to
-(pre-LayerNorm, GELU MLP, sequential residual, RoPE in the rotate-half layout on the whole
-head). The tokenizer is the run's sentencepiece model written as llama.cpp's `llama` (SPM)
-tokenizer: its pieces, scores and piece types, no space prefix, no BOS, so llama.cpp cuts text
-into the same ids as sentencepiece. The file is written here, directly, because llama.cpp's own
-converter reads only HF folders and refuses (or mis-tokenizes) ours: it would treat our
-tokenizer.json as a byte-level BPE whose pre-tokenizer it does not recognise.
-
-export.py decides what may be exported and where; this module turns a model and its tokenizer
-into metadata and tensors, writes and reads them back, and compares llama.cpp's run with ours.
+A run as one GGUF file for llama.cpp, ollama and LM Studio (export.py --gguf imports it only
+then): llama.cpp's `gptneox` architecture, the block the HF export maps to, and the run's
+sentencepiece model as llama.cpp's `llama` (SPM) tokenizer, so llama.cpp gives sentencepiece's
+ids. Written here because llama.cpp's own converter would read our tokenizer.json as a
+byte-level BPE it does not recognise. export.py decides what may be exported and where; this
+module makes the metadata and tensors, writes and reads them back and runs llama.cpp against
+our model. What goes in the file: docs/EXPORT.md.
 """
 import sys
 
@@ -29,11 +23,8 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 # --- metadata ------------------------------------------------------------------------------
 
 def rope_metadata(c):
-    """(freq_base, llama.cpp's scaling type) for our RoPE. Static NTK-aware scaling is plain RoPE
-    with a larger base, so it is written as that base and "none" (llama.cpp takes a missing type
-    for "linear"). llama.cpp's yarn is transformers' with truncate=True, as ours: corr dims
-    floor/ceil, ramp over the pair index, cos and sin times 0.1 ln s + 1 (computed by llama.cpp
-    from the factor, which it stores inverted as freq_scale)."""
+    """(freq_base, llama.cpp's scaling type) for our RoPE: static NTK is plain RoPE with a larger
+    base, and "none" is explicit (llama.cpp takes a missing type for "linear"); docs/EXPORT.md."""
     if c.rope_scaling == "ntk":
         return ntk_base(c.rope_base, c.rope_factor, c.n_embd // c.n_head), "none"
     return c.rope_base, c.rope_scaling if c.rope_factor != 1.0 else "none"
@@ -42,11 +33,8 @@ def rope_metadata(c):
 def vocabulary(proto, vocab_size):
     """(pieces, scores, token types) from the sentencepiece model, padded with unused entries up
     to the model's vocab_size (llama.cpp sizes the embedding from the token list)."""
-    sp_kind = proto.SentencePiece
-    kinds = {sp_kind.NORMAL: gguf.TokenType.NORMAL, sp_kind.UNKNOWN: gguf.TokenType.UNKNOWN,
-             sp_kind.CONTROL: gguf.TokenType.CONTROL, sp_kind.BYTE: gguf.TokenType.BYTE,
-             sp_kind.USER_DEFINED: gguf.TokenType.USER_DEFINED,
-             sp_kind.UNUSED: gguf.TokenType.UNUSED}
+    kinds = {getattr(proto.SentencePiece, k): getattr(gguf.TokenType, k)
+             for k in ("NORMAL", "UNKNOWN", "CONTROL", "BYTE", "USER_DEFINED", "UNUSED")}
     pad = range(len(proto.pieces), vocab_size)  # rows the model has, the tokenizer never emits
     pieces = [p.piece for p in proto.pieces] + [f"[PAD{i}]" for i in pad]
     scores = [float(p.score) for p in proto.pieces] + [0.0] * len(pad)
@@ -104,8 +92,8 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
 # --- tensors -------------------------------------------------------------------------------
 
 def tensor_names(n_layer):
-    """{our state-dict name without .weight/.bias: llama.cpp's gptneox name without them}. The
-    output head is tied to wte, so `output` is written from wte (see gguf_tensors)."""
+    """{our state-dict name without .weight/.bias: llama.cpp's gptneox name} (the tied head,
+    `output`, is written from wte: gguf_tensors)."""
     names, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     out = {"wte": names[M.TOKEN_EMBD], "ln_f": names[M.OUTPUT_NORM]}
     for i in range(n_layer):
@@ -129,11 +117,9 @@ def encode_tensor(weight, gguf_type):
 
 
 def gguf_tensors(model, gguf_type):
-    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. Our c_attn rows are
-    [q | k | v], each n_head x head_dim, which is how llama.cpp's gptneox graph splits
-    attn_qkv (views at offsets 0, n_embd, 2 n_embd), so it is written as it is. llama.cpp's
-    gptneox loader requires a bias for every linear layer and LayerNorm: a bias-free model gets
-    zeros (adding zero changes nothing)."""
+    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. c_attn's rows
+    [q | k | v] are already how llama.cpp's graph splits attn_qkv; its loader requires every
+    bias, so a bias-free model gets zeros."""
     c = model.config
     state = {k: v.detach().to(device="cpu", dtype=torch.float32).numpy()
              for k, v in model.state_dict().items()}
