@@ -12,7 +12,7 @@ import json
 import os
 import re
 
-from data.shared import NoBar, cut_point
+from data.shared import cut_point, tqdm
 from lib.common import UserError
 from data.sources import TEXT_KINDS, decoded, gunzip, lines, parquet_texts, raw_blocks
 
@@ -145,7 +145,7 @@ def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None
     (location, payload, first, last) with payload a raw JSON line (kind 'json') or a text or
     parquet value (kind 'text'). Text files that are not UTF-8 are added to `skipped` (under
     undecodable=skip); `hashes`, when given, receives each source's sha256."""
-    bar = NoBar() if bar is None else bar
+    bar = tqdm(disable=True) if bar is None else bar
     for si, (name, kind, where) in enumerate(sources):
         if si in skip_files:
             continue
