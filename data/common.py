@@ -100,7 +100,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     found = tasks(sources, settings["text_fields"], settings["undecodable"], (), skipped,
                   hashes, bar)
     jobs = ((task, sample.cutoff()) for task in found)  # the cutoff when the job is sent
-    for r in workers.ordered_map(workers.scan, jobs, num_proc, workers.init_worker, (settings,)):
+    for r in workers.ordered_map(workers.scan, jobs, num_proc, settings):
         if r["error"]:
             raise UserError(r["error"])
         per_source[r["source"]] += (r["docs"], r["bytes"], r["skipped"], r["no_field"])
@@ -149,8 +149,7 @@ def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
     jobs = tasks(sources, settings["text_fields"], settings["undecodable"], set(skipped), [],
                  None, bar)
     with open(path, "wb") as f:
-        for r in workers.ordered_map(workers.encode, jobs, num_proc, workers.init_worker,
-                                     (settings,)):
+        for r in workers.ordered_map(workers.encode, jobs, num_proc, settings):
             if r["error"]:
                 raise UserError(r["error"])
             f.write(r["tokens"].data)  # not ndarray.tofile: it ignores a failed write
