@@ -1,19 +1,12 @@
 """The entry of every data/<name>/prepare.py: prepare() runs the stages on a corpus ->
-train.bin / val.bin / tokenizer.model / meta.json (the layout is in the README), and the
-command-line options the scripts share. The stages, one module each, import only downward:
+train.bin / val.bin / tokenizer.model / meta.json, and the command-line options the scripts
+share. The stages, one module each, import only downward (shared.py below them all):
 
     sources.py -> documents.py -> tokenizer.py -> workers.py -> split.py -> write.py
-    (shared.py, below them all: the special ids, small helpers; lib/common.py: the error type)
 
-A corpus is a list of sources read in order (documents.py: what a document of each kind is).
-Everything streams, so memory does not grow with the corpus and the output does not depend on
-the number of workers. `prepare()` reads the corpus twice:
-  1. scan: validate every record, hash the input files, count documents and bytes, and draw
-     the tokenizer's training sample (tokenizer.py);
-  2. encode every document into one token file, each followed by the end-of-document id.
-Then the token file (not the corpus) is read once more to split it: validation takes an
-exact budget of tokens, picked document by document along the corpus (split.py). Outputs go
-to hidden temp names and are renamed at the end, meta.json last (write.py).
+Everything streams. The corpus is read twice, a scan (validate, hash, count, draw the
+tokenizer's sample) and the encoding into one token file, which the split then reads once
+more; outputs are renamed into place at the end, meta.json last. Detail: docs/DATA.md.
 """
 import collections
 import hashlib
@@ -130,9 +123,7 @@ def report_scan(corpus, name, source, text_field, seconds, log):
             f"{text_field!r} (not JSON, not an object, the field missing or not a string)")
     if not corpus["docs"]:
         raise UserError(f"empty corpus: no text found in {source}")
-    if corpus["marker"]:
-        # sentencepiece writes spaces as U+2581 internally, so the character itself decodes
-        # back as a space: the only input that does not round-trip. Say so instead of hiding it.
+    if corpus["marker"]:  # sentencepiece's own space: the one input that does not round-trip
         log(f"warning: some documents contain U+2581 (\u2581), which decodes as a space, e.g. "
             f"{corpus['marker']}")
     skipped = len(corpus["skipped"])
@@ -314,9 +305,7 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
 # ----------------------------------------------------------------------------- command line
 
 def resolve_out_dir(out_dir):
-    """--out_dir NAME (no slash) is data/NAME next to train.py, where train.py's
-    --dataset=NAME looks, wherever prepare runs from; a path (absolute, or with a slash) is
-    taken as given, relative to the current folder."""
+    """--out_dir NAME (no slash) is data/NAME, wherever prepare runs from; a path is as given."""
     if os.path.isabs(out_dir) or "/" in out_dir or os.sep in out_dir or out_dir in (".", ".."):
         return os.path.abspath(out_dir)
     return os.path.join(DATA_DIR, out_dir)
