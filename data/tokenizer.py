@@ -108,9 +108,6 @@ def trainer_error(e, vocab_size):
     return UserError(f"sentencepiece failed: {msg}")
 
 
-def load_tokenizer(model_bytes_or_path):
+def load_tokenizer(model_bytes):
     import sentencepiece as spm
-
-    if isinstance(model_bytes_or_path, (bytes, bytearray)):
-        return spm.SentencePieceProcessor(model_proto=bytes(model_bytes_or_path))
-    return spm.SentencePieceProcessor(model_file=model_bytes_or_path)
+    return spm.SentencePieceProcessor(model_proto=model_bytes)
