@@ -269,6 +269,7 @@ def tokenizer_config(sp, context):
 
 # --- the check ---------------------------------------------------------------------------
 
+@torch.no_grad()
 def check_export(path, model, sp, text, dtype):
     """Load the folder with transformers and compare with our model (its weights rounded to
     the exported dtype) and tokenizer: (max |logit difference|, texts differing, texts)."""
@@ -277,13 +278,11 @@ def check_export(path, model, sp, text, dtype):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     c = model.config
-    with torch.no_grad():  # round the weights in place to what the file holds (not via
-        for p in model.parameters():  # model.to(dtype): that would round the RoPE tables too)
-            p.copy_(p.to(dtype))
+    for p in model.parameters():  # the weights the file holds (model.to would round RoPE too)
+        p.copy_(p.to(dtype))
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
-    with torch.no_grad():
-        diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
+    diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
     texts = text.split("\n") + [text]
     bad = sum(tok(t).input_ids != sp.encode(t) for t in texts)  # (and no BOS is added)
     return diff, bad, len(texts)
