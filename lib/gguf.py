@@ -72,12 +72,11 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
         K.Tokenizer.EOS_ID: (sp.eos_id(), T.UINT32, None),  # end of document
         K.Tokenizer.UNK_ID: (sp.unk_id(), T.UINT32, None),
         K.Tokenizer.PAD_ID: (sp.eos_id(), T.UINT32, None),  # as the HF export's pad_token
-        # documents start after EOS and no BOS is ever trained; our tokenizer adds no "▁" prefix
-        K.Tokenizer.ADD_BOS: (False, T.BOOL, None),
-        K.Tokenizer.ADD_EOS: (False, T.BOOL, None),
-        K.Tokenizer.ADD_PREFIX: (False, T.BOOL, None),
-        K.Tokenizer.REMOVE_EXTRA_WS: (False, T.BOOL, None),
     }
+    # documents start after EOS and no BOS is ever trained; our tokenizer adds no "▁" prefix
+    for key in (K.Tokenizer.ADD_BOS, K.Tokenizer.ADD_EOS, K.Tokenizer.ADD_PREFIX,
+                K.Tokenizer.REMOVE_EXTRA_WS):
+        meta[key] = (False, T.BOOL, None)
     if sp.bos_id() >= 0:  # named, so that llama.cpp does not guess one; never added
         meta[K.Tokenizer.BOS_ID] = (sp.bos_id(), T.UINT32, None)
     if scaling != "none":  # the original context, or llama.cpp takes the window for it
