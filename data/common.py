@@ -68,17 +68,15 @@ def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_toke
         raise UserError(f"seed must be between 0 and 2**64 - 1, not {seed}")
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
-    if val_tokens is not None and val_tokens < 1:
-        raise UserError(f"val_tokens must be at least 1, not {val_tokens}")
     if vocab_size == 0 and model_type != "char":  # sentencepiece's own error is INTERNAL
         raise UserError("vocab_size must be at least 261 (0, sized by the characters seen, "
                         "is for --model_type char only)")
     if vocab_size and vocab_size < 261:
         raise UserError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
                         f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
-    for name, value in (("min_val_tokens", min_val_tokens), ("num_proc", num_proc),
-                        ("sample_bytes", sample_bytes)):
-        if value < 1:
+    for name, value in (("val_tokens", val_tokens), ("min_val_tokens", min_val_tokens),
+                        ("num_proc", num_proc), ("sample_bytes", sample_bytes)):
+        if value is not None and value < 1:
             raise UserError(f"{name} must be at least 1, not {value}")
 
 
@@ -348,11 +346,10 @@ def prepare_options(args):
     if args.tokenizer and trains:
         raise UserError(f"--tokenizer takes a tokenizer that exists; {' and '.join(trains)} "
                         f"would train one: pass one or the other")
-    vocab_size = args.default_vocab_size if args.vocab_size is None else args.vocab_size
-    return dict(vocab_size=vocab_size, val_fraction=args.val_fraction,
-                val_tokens=args.val_tokens, min_val_tokens=args.min_val_tokens,
-                sample_bytes=args.sample_bytes, seed=args.seed, num_proc=args.num_proc,
-                model_type=getattr(args, "model_type", None) or "bpe", tokenizer=args.tokenizer)
+    shared = ("val_fraction", "val_tokens", "min_val_tokens", "sample_bytes", "seed", "num_proc")
+    return dict({k: getattr(args, k) for k in shared}, tokenizer=args.tokenizer,
+                vocab_size=args.default_vocab_size if args.vocab_size is None else args.vocab_size,
+                model_type=getattr(args, "model_type", None) or "bpe")
 
 
 def run(main_fn, argv):
