@@ -35,9 +35,8 @@ def text_fields(spec):
 
 
 def split_paragraphs(text):
-    """Paragraphs of a text: pieces separated by one or more blank (or whitespace-only) lines.
-    The separators are dropped (the end-of-document id replaces them); each paragraph keeps
-    its own leading indentation. The reference for the streaming splitter `paragraphs`."""
+    """Paragraphs of a text, separated by blank (or whitespace-only) lines, which are dropped:
+    the reference for the streaming splitter `paragraphs`."""
     return [p for p in PARAGRAPH_SEP.split(text)[::2] if p.strip()]
 
 
@@ -116,8 +115,7 @@ def problem_message(where, problem, hint):
 
 def documents(kind, name, items, fields, skip, stats, hint=True):
     """(location, text, first, last) of a batch's documents. A bad record is counted in
-    stats["skipped"] under skip (a missing field also in stats["no_field"]), else stops the
-    batch with stats["error"] set (the first one)."""
+    stats["skipped"] (and "no_field") under skip, else stops the batch with stats["error"]."""
     for loc, payload, first, last in items:
         where = f"{name} line {loc}" if kind == "json" else f"{name} row index {loc}"
         problem = None
@@ -142,9 +140,8 @@ def documents(kind, name, items, fields, skip, stats, hint=True):
 def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None, bar=None,
           hint=True):
     """Batches of work in corpus order: (kind, source index, name, items), items being
-    (location, payload, first, last) with payload a raw JSON line (kind 'json') or a text or
-    parquet value (kind 'text'). Text files that are not UTF-8 are added to `skipped` (under
-    undecodable=skip); `hashes`, when given, receives each source's sha256."""
+    (location, payload, first, last), payload a raw JSON line (kind 'json') or a text. Files
+    not UTF-8 go to `skipped` (undecodable=skip); `hashes`, if given, gets each sha256."""
     bar = tqdm(disable=True) if bar is None else bar
     for si, (name, kind, where) in enumerate(sources):
         if si in skip_files:
@@ -210,9 +207,8 @@ def batched(items, kind, si, name):
 
 
 def whole_documents(sources, fields):
-    """(source index, text) of every document of the sources, in order and whole, by the
-    same code that feeds prepare's workers: for readers that score documents (eval.py).
-    Any bad record or undecodable file is an error."""
+    """(source index, text) of every document, whole, by the code that feeds prepare's workers
+    (for eval.py); any bad record or undecodable file is an error."""
     stats, pieces = {"skipped": 0, "error": None}, []
     for kind, si, name, items in tasks(sources, fields, "fail", hint=False):
         for _, text, first, last in documents(kind, name, items, fields, False, stats, False):

@@ -12,10 +12,9 @@ TEXT_KINDS = ("text", "paragraphs")  # read as UTF-8 text: a file is a document,
 
 
 def find_files(paths, extensions=None):
-    """Expand files and folders (recursively; hidden entries and __pycache__ left out) into
-    (name, path) pairs in a fixed order: the paths as given, each folder walked with sorted
-    names. A name is the path relative to the folder given, with '/' separators, so the order
-    and the names do not depend on the machine."""
+    """Files and folders (walked in sorted order, hidden entries and __pycache__ left out) ->
+    (name, path) pairs; a name is the path inside the folder given, '/'-separated, so the
+    order and the names do not depend on the machine."""
     found = []
     for given in paths:
         if not os.path.exists(given):
@@ -44,9 +43,8 @@ def file_kind(path):
 
 
 def file_sources(files):
-    """(name, path) pairs -> sources (name, kind, path). A corpus of exactly one text file is
-    of kind "paragraphs": split at blank lines, so that it can still be divided into
-    documents (documents.py holds the rule)."""
+    """(name, path) pairs -> sources (name, kind, path); a corpus of exactly one text file is
+    of kind "paragraphs", split at blank lines (documents.py)."""
     sources = [(name, file_kind(path), path) for name, path in files]
     if len(sources) == 1 and sources[0][1] == "text":
         sources = [(sources[0][0], "paragraphs", sources[0][2])]
