@@ -1,12 +1,8 @@
-"""Stage 2: documents. The one rule that turns sources into documents, shared by prepare
-(every corpus) and eval.py (the text it scores):
-  - a text file is one document, but a corpus of a single text file is split into paragraphs
-    at blank lines (the separators are dropped: the end-of-document token stands for them);
-  - a .jsonl(.gz) line is a record, a parquet row is a record; its document is the first of
-    the text fields (--text_field=text,content) that the record has;
-  - a document of nothing but whitespace is no document.
-Streams stay bounded: a long document comes in pieces (text, first, last) cut at line ends,
-and the pieces are grouped into batches of about TASK_CHARS characters for the workers."""
+"""Stage 2: documents, by one rule shared by prepare and eval.py: a text file is a document (a
+corpus of a single text file: its paragraphs, split at blank lines); a .jsonl(.gz) line or a
+parquet row is a record whose document is the first of the text fields it has; a document of
+nothing but whitespace is none. A long document comes in pieces (text, first, last) cut at line
+ends, and the pieces go to the workers in batches of about TASK_CHARS characters."""
 import hashlib
 import json
 import os
@@ -105,14 +101,6 @@ def record_text(line, fields):
     return record[field], None
 
 
-def problem_message(where, problem, hint):
-    """The one-line error for a bad record: a missing field names --text_field first."""
-    msg = f"{where}: the record {problem}"
-    if problem.startswith(NO_FIELD):
-        msg += "; " + FIELD_HINT
-    return msg + (SKIP_HINT.format("records") if hint else "")
-
-
 def documents(kind, name, items, fields, skip, stats, hint=True):
     """(location, text, first, last) of a batch's documents. A bad record is counted in
     stats["skipped"] (and "no_field") under skip, else stops the batch with stats["error"]."""
@@ -126,8 +114,10 @@ def documents(kind, name, items, fields, skip, stats, hint=True):
         elif not isinstance(payload, str):  # a parquet value
             problem = f"text is {type(payload).__name__}, not a string"
         if problem:
-            if not skip:
-                stats["error"] = stats.get("error") or problem_message(where, problem, hint)
+            if not skip:  # one line; a missing field names --text_field first
+                field_hint = "; " + FIELD_HINT if problem.startswith(NO_FIELD) else ""
+                skip_hint = SKIP_HINT.format("records") if hint else ""
+                stats["error"] = f"{where}: the record {problem}{field_hint}{skip_hint}"
                 return
             stats["skipped"] += 1
             stats["no_field"] = stats.get("no_field", 0) + problem.startswith(NO_FIELD)
@@ -161,7 +151,7 @@ def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None
 def source_tasks(si, name, kind, where, fields, sha, bar):
     """The batches of one source (see tasks); `sha` receives its content hash."""
     if kind in TEXT_KINDS + ("jsonl",):
-        blocks = counted(raw_blocks(where, sha), bar)
+        blocks = raw_blocks(where, sha, bar)
         if where.lower().endswith(".gz"):
             blocks = gunzip(blocks, where)
     if kind == "jsonl":
@@ -186,12 +176,6 @@ def source_tasks(si, name, kind, where, fields, sha, bar):
                 bar.update(len(t))
                 yield t
         yield from batched(((i, t, True, True) for i, t in enumerate(texts())), "text", si, name)
-
-
-def counted(blocks, bar):
-    for b in blocks:
-        bar.update(len(b))
-        yield b
 
 
 def batched(items, kind, si, name):

@@ -51,15 +51,14 @@ def file_sources(files):
     return sources
 
 
-def raw_blocks(path, sha=None):
-    """The bytes of a file in blocks of READ_BYTES; `sha`, when given, is updated with each."""
+def raw_blocks(path, sha=None, bar=None):
+    """The bytes of a file in blocks of READ_BYTES; `sha` and `bar`, if given, count each."""
     with open(path, "rb") as f:
-        while True:
-            block = f.read(READ_BYTES)
-            if not block:
-                return
+        for block in iter(lambda: f.read(READ_BYTES), b""):
             if sha is not None:
                 sha.update(block)
+            if bar is not None:
+                bar.update(len(block))
             yield block
 
 
