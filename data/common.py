@@ -105,9 +105,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
                             f"{' or '.join(map(repr, settings['text_fields']))}; {FIELD_HINT}")
     kept = [per_source[si] for si in per_source if si not in skipped]
     docs, total_bytes, skipped_records, _ = (int(x) for x in sum(kept, np.zeros(4, np.int64)))
-    sha = hashlib.sha256()
-    for n, digest in hashes:
-        sha.update(f"{n}\0{digest}\n".encode("utf-8"))
+    sha = hashlib.sha256("".join(f"{n}\0{digest}\n" for n, digest in hashes).encode("utf-8"))
     return dict(docs=docs, bytes=total_bytes, skipped_records=skipped_records, skipped=skipped,
                 skipped_names=[sources[si][0] for si in skipped], marker=marker,
                 sha256=sha.hexdigest(), sample=sample)
@@ -258,9 +256,9 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
             val_fraction=0.05, val_tokens=None, min_val_tokens=1025, sample_bytes=4_000_000,
             seed=1337, num_proc=None, text_field="text", undecodable="fail",
             tokenizer=None, extra_meta=None, log=print):
-    """Build the dataset folder out_dir from sources [(name, kind, path)] (see
-    sources.file_sources; kind "docs" takes a function returning an iterable of texts
-    instead of a path); tokenizer: a run or a .model to encode with. Returns the meta written."""
+    """Build the dataset folder out_dir from sources [(name, kind, path)] (sources.file_sources;
+    kind "docs": a function returning texts instead of a path); tokenizer: a run or a .model to
+    encode with. Returns the meta written."""
     t_start = time.time()
     # None is every core; 0 is a mistake, not a second way to say that
     num_proc = workers.default_num_proc() if num_proc is None else num_proc

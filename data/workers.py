@@ -1,9 +1,6 @@
-"""Stage 4: the encoding workers. The main process reads the sources (documents.tasks) and
-hands batches to `num_proc` worker processes, at most a few batches ahead, and takes their
-results back in the order it sent them, so memory does not grow with the corpus and the
-output does not depend on the number of workers. Two kinds of work: `scan` (pass 1: validate,
-count, draw tokenizer sample candidates) and `encode` (pass 2: token ids, each document
-finished by the end-of-document id)."""
+"""Stage 4: the workers, which take batches from the main process (documents.tasks) in order:
+`scan` (pass 1: validate, count, draw tokenizer sample candidates) and `encode` (pass 2: token
+ids, each document finished by the end-of-document id)."""
 import collections
 import itertools
 import multiprocessing
@@ -50,8 +47,7 @@ def ordered_map(fn, jobs, num_proc, settings):
             yield window.popleft().get()
 
 
-# The settings of this worker process (text fields, undecodable, seed; for encoding also the
-# tokenizer and dtype), set once per process by init_worker.
+# This worker process's settings (text fields, undecodable, seed; encode: tokenizer, dtype).
 _worker = {}
 
 
