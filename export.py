@@ -1,7 +1,6 @@
 """
-Export a trained run as a Hugging Face folder that transformers loads with no custom code
-(GPTNeoXForCausalLM is exactly this model) or, with --gguf, as one GGUF file that llama.cpp,
-ollama and LM Studio run (lib/gguf.py).
+Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code) or, with
+--gguf, as one GGUF file for llama.cpp, ollama and LM Studio (lib/gguf.py).
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16

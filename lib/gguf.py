@@ -104,9 +104,8 @@ def tensor_names(n_layer):
 
 
 def encode_tensor(weight, gguf_type):
-    """float32 numpy array -> (array as stored, its GGML type). Only 2-D weights are rounded:
-    llama.cpp keeps norms and biases in float32, and q8_0 blocks run along a row of 32, so a
-    weight whose rows are not a multiple of 32 falls back to f16."""
+    """float32 numpy array -> (array as stored, its GGML type). Norms and biases stay float32;
+    q8_0 blocks run along rows of 32, so other row lengths fall back to f16."""
     Q = gguf.GGMLQuantizationType
     if weight.ndim == 1 or gguf_type == "f32":
         return weight.astype(np.float32), Q.F32
@@ -221,9 +220,8 @@ def llama_cpp_greedy(llm, prompt_ids, n_new):
 
 
 def check_with_llama_cpp(path, model, sp, text):
-    """Where llama-cpp-python is installed: run the file, print one line comparing it with our
-    model, and return whether it matches (same ids; logits within 5% of their scale). Without
-    it: a note, and True."""
+    """With llama-cpp-python: run the file, print one line comparing it with our model, return
+    whether it matches (same ids; logits within 5% of their scale). Without: a note, True."""
     try:
         import llama_cpp
     except ImportError:
@@ -242,9 +240,8 @@ def check_with_llama_cpp(path, model, sp, text):
 
 @torch.no_grad()
 def compare_with_llama_cpp(path, model, sp, text, n_greedy=24):
-    """Run the file in llama.cpp (llama-cpp-python) and compare it with our model holding the
-    file's weights: token ids against sentencepiece on each line of `text` and on all of it, the
-    logits of one window of it, and greedy decoding from its start."""
+    """The file in llama.cpp against our model with the file's weights: token ids (each line of
+    `text` and all of it), the logits of one window of it, greedy decoding from its start."""
     import llama_cpp
     reference = weights_from_gguf(path, model)
     window = model.config.context_window
