@@ -37,8 +37,7 @@ def given_tokenizer(path):
         from lib.checkpoint import read  # torch and the model: only a run needs them
         ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
         info = read(ckpt, mmap=True).get("tokenizer") or {}  # one line if not a checkpoint
-        # The file the run recorded, else data/<dataset>'s, whose sha256 is the run's (where
-        # sample.py's load_tokenizer looks): a copy of it passes train.py's same check.
+        # the file the run recorded, else data/<dataset>'s (as sample.py looks), by sha256
         sha, name = info.get("sha256"), str(info.get("dataset"))
         where = [info.get("path"), os.path.join(DATA_DIR, name, "tokenizer.model")]
         found = [f for f in where if f and os.path.isfile(f) and file_sha256(f) == sha]
@@ -81,8 +80,7 @@ def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_toke
 
 
 def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
-    """Pass 1: validate every record, count documents and bytes, hash the inputs and draw
-    the tokenizer sample. Returns a dict of what it found."""
+    """Pass 1: validate every record, count, hash the inputs, draw the tokenizer sample."""
     # per source: documents, bytes, skipped records, records without any of the text fields
     per_source = collections.defaultdict(lambda: np.zeros(4, dtype=np.int64))
     skipped, hashes, marker = [], [], None
@@ -129,8 +127,7 @@ def report_scan(corpus, name, source, text_field, seconds, log):
 
 
 def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
-    """Pass 2: every document, in corpus order, into the token file at `path`. Returns
-    (tokens, documents, bytes, the number of worker processes that did any of it)."""
+    """Pass 2: every document into the token file `path`: (tokens, docs, bytes, processes)."""
     total, docs, nbytes, pids = 0, 0, 0, set()
     bar = tqdm(total=raw_total, desc="encoding", unit="B", unit_scale=True)
     jobs = tasks(sources, settings["text_fields"], settings["undecodable"], set(skipped), [],
@@ -163,8 +160,7 @@ def split_budget(total, val_fraction, val_tokens, min_val_tokens):
 
 
 def build_tokenizer(corpus, options, log):
-    """The tokenizer trained on the scan's sample: (model bytes, its processor, meta.json's
-    description of it); or the one --tokenizer gave."""
+    """The tokenizer trained on the sample, or --tokenizer's: (bytes, processor, its meta)."""
     if options["given"]:  # --tokenizer: that one, as it is
         return options["given"]
     vocab_size, model_type = options["vocab_size"], options["model_type"]
@@ -210,8 +206,7 @@ def dataset_meta(sources, corpus, sp, tok_settings, split, options):
 
 
 def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total, log):
-    """Tokenizer, pass 2 and the split into the temp files; returns (meta.json's dict, the
-    figures the last log line reports)."""
+    """Tokenizer, pass 2 and the split into the temp files: (meta.json's dict, log figures)."""
     t0 = time.time()
     model_bytes, sp, tok_settings = build_tokenizer(corpus, options, log)
     dtype = np.dtype(dtype_for_vocab(sp.get_piece_size()))
@@ -244,8 +239,7 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
 
 
 def os_error_message(e, out_dir):
-    """One line for an OSError: a source that cannot be read, or an output that cannot be
-    written (a full disk, a quota)."""
+    """One line for an OSError: a source unreadable, or an output unwritable (a full disk)."""
     if e.filename and not os.path.abspath(e.filename).startswith(os.path.abspath(out_dir)):
         return f"cannot read {e.filename}: {e.strerror or e}"
     return (f"cannot write the dataset to {out_dir}: {e.strerror or e}; nothing was written "
@@ -314,8 +308,7 @@ OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which trai
 
 
 def add_arguments(p, vocab_size=4096, val_fraction=0.05):
-    """The options every prepare script shares; prepare_options(args) turns them into
-    prepare()'s keyword arguments."""
+    """The options every prepare script shares (prepare_options makes prepare's keywords)."""
     p.add_argument("--vocab_size", type=int, default=None,
                    help=f"default {vocab_size or 4096}; a char model without it takes every "
                         f"character of the sample + 256 bytes")

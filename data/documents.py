@@ -22,8 +22,7 @@ FIELD_HINT = ("pass --text_field=NAME with the field its records use (several na
 
 
 def text_fields(spec):
-    """--text_field "text,content" -> ("text", "content"): the names a record's document may
-    be under, the first one present wins (shards of one corpus often disagree)."""
+    """--text_field "text,content" -> ("text", "content"): the first one a record has wins."""
     fields = tuple(f.strip() for f in spec.split(",") if f.strip())
     if not fields:
         raise UserError(f"--text_field names no field: {spec!r}")

@@ -101,8 +101,7 @@ def lines(blocks):
 
 
 def decoded(blocks, path):
-    """UTF-8 text of byte blocks, every byte kept (a CRLF stays CRLF); a bad byte raises
-    UnicodeError with its offset in the file."""
+    """UTF-8 text of byte blocks, every byte kept (CRLF too); a bad byte: UnicodeError, offset."""
     dec = codecs.getincrementaldecoder("utf-8")("strict")
     offset = 0
     for block in blocks:

@@ -12,8 +12,7 @@ PICK_AHEAD = 4096         # documents tested at once for the next validation pic
 
 
 class TokenSplit:
-    """One split in progress: the token file `fd`, read and compacted in place into the
-    training split, and the validation file, with what each holds so far."""
+    """A split in progress: the token file `fd`, compacted in place into training, and val."""
 
     def __init__(self, fd, val_file, dtype, newline_id):
         self.fd, self.val_file, self.dtype, self.newline_id = fd, val_file, dtype, newline_id

@@ -8,8 +8,7 @@ from data.shared import OUTPUTS
 from lib import common
 from lib.common import UserError
 
-# Fields every meta.json that prepare ever wrote holds (since its first version): a folder
-# whose meta.json has them is a dataset prepare made, and prepare may replace it.
+# Fields every meta.json prepare ever wrote holds: a folder whose meta.json has them is its own.
 OWN_META_KEYS = ("source_sha256", "source_hash_of", "tokenizer")
 
 
