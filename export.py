@@ -110,8 +110,7 @@ def module_refusal(model):
 
 
 def refusal(model, kind):
-    """Why `model` has no faithful form in the `kind` export ("hf" or "gguf"), or None: the
-    first config field, state-dict key or shape, or module it does not map, in one line."""
+    """Why `model` has no faithful form in the `kind` export ("hf", "gguf"), in a line; or None."""
     why = config_refusal(model.config, kind)
     if why:
         return why
@@ -270,8 +269,7 @@ def tokenizer_config(sp, context):
 
 @torch.no_grad()
 def check_export(path, model, sp, text, dtype):
-    """Load the folder with transformers and compare with our model (its weights rounded to
-    the exported dtype) and tokenizer: (max |logit difference|, texts differing, texts)."""
+    """The folder in transformers against ours: (max |logit diff|, texts differing, texts)."""
     transformers = need("transformers")
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -1,11 +1,9 @@
 """
 A run as one GGUF file for llama.cpp, ollama and LM Studio (export.py --gguf imports it only
-then): llama.cpp's `gptneox` architecture, the block the HF export maps to, and the run's
-sentencepiece model as llama.cpp's `llama` (SPM) tokenizer, so llama.cpp gives sentencepiece's
-ids. Written here because llama.cpp's own converter would read our tokenizer.json as a
-byte-level BPE it does not recognise. export.py decides what may be exported and where; this
+then): llama.cpp's `gptneox` block and the run's sentencepiece model as its `llama` (SPM)
+tokenizer, written here because llama.cpp's converter would misread our tokenizer.json. This
 module makes the metadata and tensors, writes and reads them back and runs llama.cpp against
-our model. What goes in the file: docs/EXPORT.md.
+our model; export.py decides what is exported and where. The file in detail: docs/EXPORT.md.
 """
 import sys
 
@@ -91,8 +89,7 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
 # --- tensors -------------------------------------------------------------------------------
 
 def tensor_names(n_layer):
-    """{our state-dict name without .weight/.bias: llama.cpp's gptneox name} (the tied head,
-    `output`, is written from wte: gguf_tensors)."""
+    """{our state-dict name without .weight/.bias: llama.cpp's name} (not the tied head)."""
     names, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     out = {"wte": names[M.TOKEN_EMBD], "ln_f": names[M.OUTPUT_NORM]}
     for i in range(n_layer):
@@ -115,9 +112,8 @@ def encode_tensor(weight, gguf_type):
 
 
 def gguf_tensors(model, gguf_type):
-    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. c_attn's rows
-    [q | k | v] are already how llama.cpp's graph splits attn_qkv; its loader requires every
-    bias, so a bias-free model gets zeros."""
+    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. c_attn is already
+    llama.cpp's qkv layout; its loader requires every bias, so a bias-free model gets zeros."""
     c = model.config
     state = {k: v.detach().to(device="cpu", dtype=torch.float32).numpy()
              for k, v in model.state_dict().items()}
@@ -159,8 +155,8 @@ def same_value(found, expected, vtype, item_type):
 
 
 def verify_gguf(path, metadata, tensors):
-    """Read the file back with gguf.GGUFReader: every key written with its type and value, every
-    tensor with its name, shape, type and bytes. Returns a list of problems (empty: all there)."""
+    """The file read back: every key's type and value, every tensor's name, shape, type and
+    bytes, compared with what was written. Returns a list of problems (empty: all there)."""
     reader = gguf.GGUFReader(path)
     problems = []
     for key, (value, vtype, item_type) in metadata.items():
@@ -188,8 +184,7 @@ def verify_gguf(path, metadata, tensors):
 
 
 def weights_from_gguf(path, model):
-    """A copy of `model` with the weights the file holds (dequantized to float32): the model
-    llama.cpp runs, computed our way, which the checks and tests compare against."""
+    """A copy of `model` with the file's weights (dequantized): what llama.cpp runs, our way."""
     reader = gguf.GGUFReader(path)
     stored = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                                  dtype=np.float32)).reshape(
