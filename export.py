@@ -1,20 +1,14 @@
 """
-Export a trained run as a Hugging Face model folder that transformers loads with no custom
-code: GPTNeoXForCausalLM is exactly this model (pre-LayerNorm blocks, exact GELU MLP, RoPE in
-the rotate-half layout on the whole head, sequential residual). Or, with --gguf, as one GGUF
-file that llama.cpp, ollama and LM Studio run (lib/gguf.py).
+Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code) or, with
+--gguf, as one GGUF file for llama.cpp, ollama and LM Studio (lib/gguf.py).
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
     python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
 
-Either export is written next to its place, loaded back and checked there (transformers: the
-same logits as ours on random blocks and the same ids as sentencepiece on the run's validation
-text; GGUF: every key and tensor read back, and run by llama.cpp where llama-cpp-python is
-installed; --check=False skips the loading), and only then renamed into place, so a failed
-export leaves the previous one, if any, as it was. What neither format maps (a config field, a
-state-dict key or shape, a module: see refusal) is refused in one line before anything is
-written.
+Either export is written beside its place, loaded back and checked there (--check=False skips
+the loading), and only then renamed into place; what neither format maps is refused in one
+line before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
 """
 import dataclasses
 import fnmatch
@@ -35,14 +29,13 @@ from sample import dataset_dir, load_run
 out_dir = "out"
 hf_dir = ""             # "" is out_dir/hf
 dtype = "float32"       # of the exported weights: float32 | bfloat16 | float16 (HF folder)
-tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
+tokenizer = ""          # "": the path the checkpoint records; its sha256 must match either way
 check = True            # load the export back (transformers / llama.cpp) and compare with our model
 gguf = ""               # a path: write one GGUF file there instead of the HF folder
 gguf_type = "f16"       # of the GGUF's 2-D weights: f32 | f16 | q8_0 (norms and biases stay f32)
 # -----------------------------------------------------------------------------------------
 HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
             "model.safetensors")
-GGUF_TYPES = ("f32", "f16", "q8_0")
 
 
 def need(module, package=None):
@@ -54,11 +47,9 @@ def need(module, package=None):
         raise UserError(f"export.py needs the '{package}' package: pip install {package}") from None
 
 
-# The allow-list of both exports (the same model in both formats): every RoFormerConfig field
-# with the values they map (ANY: every value the config accepts; UNUSED: read only by models
-# refused here, linear attention and the relative baselines). A field model.py gains later is
-# not listed, so a model that has one is refused until the exports learn to map it; likewise
-# any state-dict key or shape that expected_shapes does not list.
+# The allow-list of both exports: every RoFormerConfig field with the values they map (ANY:
+# every value; UNUSED: read only by models refused here). A field model.py gains later is not
+# listed, so a model that has one is refused until the exports learn to map it.
 ANY, UNUSED = "any", "unused"
 MAPPED_FIELDS = {
     "vocab_size": ANY, "block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
@@ -91,9 +82,8 @@ def config_refusal(c, kind):
 
 
 def expected_shapes(c):
-    """{state-dict key: shape} of the model both exports map for config c: GPT-NeoX's block
-    (LayerNorms, one qkv matrix, a GELU MLP 4x wide, biases only with bias=True) and an output
-    head that is the token embedding."""
+    """{state-dict key: shape} of the model both exports map for config c (GPT-NeoX's block,
+    biases only with bias=True, the output head tied to the token embedding)."""
     C = c.n_embd
     shapes = {"wte.weight": (c.vocab_size, C), "lm_head.weight": (c.vocab_size, C),
               "ln_f.weight": (C,), **({"ln_f.bias": (C,)} if c.bias else {})}
@@ -108,8 +98,8 @@ def expected_shapes(c):
 
 
 def module_refusal(model):
-    """Modules whose computation has no parameter to show it: the exports write exact GELU and
-    LayerNorm eps 1e-5, so a model built of anything else (another activation) is refused."""
+    """The exports write exact GELU and LayerNorm eps 1e-5, which no parameter shows: a model
+    built of any other leaf module (another activation) is refused."""
     for name, m in model.named_modules():
         if next(m.children(), None) is None and not (
                 type(m) in (nn.Embedding, nn.Linear, nn.Dropout)
@@ -120,8 +110,7 @@ def module_refusal(model):
 
 
 def refusal(model, kind):
-    """Why `model` has no faithful form in the `kind` export ("hf" or "gguf"), or None: the
-    first config field, state-dict key or shape, or module it does not map, in one line."""
+    """Why `model` has no faithful form in the `kind` export ("hf", "gguf"), in a line; or None."""
     why = config_refusal(model.config, kind)
     if why:
         return why
@@ -144,9 +133,8 @@ def refusal(model, kind):
 # --- the model ---------------------------------------------------------------------------
 
 def neox_config(c, eos_id, torch_dtype):
-    """config.json. The RoPE keys are written both the way transformers 5 reads them
-    (rope_parameters) and the older way (rotary_pct, rotary_emb_base, rope_scaling) that other
-    GPT-NeoX readers use."""
+    """config.json, with the RoPE keys both as transformers 5 reads them (rope_parameters) and
+    the older way other GPT-NeoX readers use (rotary_pct, rotary_emb_base, rope_scaling)."""
     head_dim = c.n_embd // c.n_head
     theta, context, scaling = c.rope_base, c.context_window, None
     if c.rope_scaling == "ntk":  # static NTK-aware scaling is plain RoPE with a larger base
@@ -180,12 +168,9 @@ def neox_config(c, eos_id, torch_dtype):
 
 
 def neox_weights(model, dtype):
-    """Our state dict -> GPT-NeoX tensor names. Two changes of form, none of content:
-    - c_attn's output rows are [q | k | v], each (n_head, head_dim); GPT-NeoX's are per head,
-      (n_head, [q, k, v], head_dim), so the rows are regrouped;
-    - GPT-NeoX always has biases on every linear and LayerNorm: ours are zero when bias=False.
-    The output head is written as embed_out.weight, a copy of the tied embedding: the config
-    says it is tied (transformers ties them), and readers with no tying get the same matrix."""
+    """Our state dict -> GPT-NeoX tensor names, changing form, not content: c_attn's rows
+    [q | k | v] regrouped per head, zero biases where bias=False, and the tied head also written
+    as embed_out.weight for readers that do not tie (docs/EXPORT.md)."""
     c = model.config
     H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd  # heads, head size, width
     state = {k: v.detach().to(dtype=torch.float32, device="cpu")
@@ -213,18 +198,14 @@ def neox_weights(model, dtype):
 # --- the tokenizer -----------------------------------------------------------------------
 
 def sentencepiece_proto(sp):
-    """The tokenizer's pieces and settings (sentencepiece's ModelProto, which needs protobuf),
-    after the checks both formats need. Our settings (data/tokenizer.py) make it a plain
-    byte-fallback BPE: identity normalisation, no dummy prefix, so the only normalisation is
-    " " -> "▁"; other settings would need more than that to reproduce."""
+    """The tokenizer's ModelProto (needs protobuf), refused unless it is what data/tokenizer.py
+    trains: a byte-fallback BPE (or char) whose only normalisation is " " -> "▁"."""
     pb = need("sentencepiece.sentencepiece_model_pb2", "protobuf")
     m = pb.ModelProto()
     m.ParseFromString(sp.serialized_model_proto())
     spec, norm = m.trainer_spec, m.normalizer_spec
     if spec.model_type not in (spec.BPE, spec.CHAR):
-        # unigram: tried, and `tokenizers`' Viterbi breaks ties between equal-score
-        # segmentations (runs of spaces) differently from sentencepiece: other ids; llama.cpp's
-        # sentencepiece tokenizer merges pairs the BPE way, so it would differ more
+        # unigram: tried; `tokenizers` breaks ties between equal-score segmentations differently
         raise UserError("only bpe and char sentencepiece tokenizers are exported (the default "
                         "ones); a unigram tokenizer would give different ids on runs of spaces")
     if norm.name not in ("identity", "") or norm.add_dummy_prefix or \
@@ -240,14 +221,10 @@ def sentencepiece_proto(sp):
 
 
 def hf_tokenizer(sp):
-    """The run's sentencepiece model as a `tokenizers` Tokenizer giving the same ids.
-
-    "\\n" is a fixed piece matched before the model runs (an added token here). The merges are
-    rebuilt from the vocabulary: sentencepiece merges the adjacent pair whose joined piece
-    scores highest, so every split of each normal piece into two pieces becomes a merge, ranked
-    by the joined piece's score. Control pieces (<s>, </s>) and <unk> become special tokens
-    that are never matched in text: a literal "<s>" in a document is text
-    (split_special_tokens)."""
+    """The run's sentencepiece model as a `tokenizers` Tokenizer giving the same ids. As
+    sentencepiece merges the adjacent pair whose joined piece scores highest, every split of a
+    normal piece in two is a merge ranked by its score; control pieces and <unk> are special
+    tokens never matched in text ("\\n", a user-defined piece, is an added token)."""
     need("tokenizers")
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
     m = sentencepiece_proto(sp)
@@ -276,11 +253,9 @@ def hf_tokenizer(sp):
 
 
 def tokenizer_config(sp, context):
-    """tokenizer_config.json. tokenizer_class is what makes AutoTokenizer read tokenizer.json
-    as it is (without it, transformers picks the GPT-NeoX tokenizer class: wrong ids).
-    No BOS is added: the model never saw one (a document starts after EOS). Padding uses the
-    end-of-document piece, as GPT-NeoX models do, on the left, so that a batch of prompts of
-    different lengths all continue from their last token (`pipeline(..., batch_size=2)`)."""
+    """tokenizer_config.json. tokenizer_class makes AutoTokenizer read tokenizer.json as it is
+    (else the GPT-NeoX class: wrong ids); no BOS (never trained); padding with EOS on the left,
+    so batched prompts all continue from their last token."""
     eos = sp.id_to_piece(sp.eos_id())
     return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
             "padding_side": "left", "unk_token": sp.id_to_piece(sp.unk_id()),
@@ -292,30 +267,26 @@ def tokenizer_config(sp, context):
 
 # --- the check ---------------------------------------------------------------------------
 
+@torch.no_grad()
 def check_export(path, model, sp, text, dtype):
-    """Load the folder with transformers and compare with our model (whose weights are rounded
-    here to the exported dtype; both compute in float32) and tokenizer. Returns (max |logit
-    difference| on two random blocks, texts tokenized differently, texts compared)."""
+    """The folder in transformers against ours: (max |logit diff|, texts differing, texts)."""
     transformers = need("transformers")
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     c = model.config
-    with torch.no_grad():  # round the weights in place to what the file holds (not via
-        for p in model.parameters():  # model.to(dtype): that would round the RoPE tables too)
-            p.copy_(p.to(dtype))
+    for p in model.parameters():  # the weights the file holds (model.to would round RoPE too)
+        p.copy_(p.to(dtype))
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
-    with torch.no_grad():
-        diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
+    diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
     texts = text.split("\n") + [text]
     bad = sum(tok(t).input_ids != sp.encode(t) for t in texts)  # (and no BOS is added)
     return diff, bad, len(texts)
 
 
 def validation_text(ckpt, sp, max_tokens=20000):
-    """Some of the run's own validation text for the tokenizer checks ("" if an older run's
-    dataset is not found)."""
+    """The run's validation text for the tokenizer checks ("" if an older run's dataset is gone)."""
     try:
         ddir = dataset_dir(ckpt)
     except UserError as e:  # checking the tokenizer on another corpus's ids would fail
@@ -338,9 +309,8 @@ def check_replaceable(path):
 
 
 def write_checked(path, write, check=None):
-    """write(tmp) beside `path`, checked there (check(tmp) -> a reason it is wrong, or None) and
-    only then renamed into place (lib/common.atomic_write), so a failure at any point (a full
-    disk, a failed check) leaves the previous export, if any, as it was."""
+    """write(tmp) beside `path`, check(tmp) -> a reason it is wrong or None, then the rename
+    (lib/common.atomic_write): a failure anywhere leaves the previous export as it was."""
     try:
         problem = atomic_write(path, write, check)
     except (OSError, ValueError) as e:
@@ -391,9 +361,8 @@ def export_hf(cfg, model, sp, text):
 
 
 def check_gguf_path(path):
-    """Refuse, before anything is written, a --gguf path whose replacement would destroy
-    something: a folder, an existing file that is not a GGUF file (its first 4 bytes are
-    b"GGUF"), or a file that a training run owns (see run_file), even one not there yet."""
+    """Refuse a --gguf path whose replacement would destroy something: a folder, a file that is
+    not GGUF (by its magic), or a file a training run owns (run_file), even one not there yet."""
     if os.path.isdir(path):
         raise UserError(f"--gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
     owner = run_file(path)
@@ -411,8 +380,7 @@ def check_gguf_path(path):
                             f"a GGUF file: remove it or give another path")
 
 
-# What train.py writes in a run folder (a folder with ckpt.pt): checkpoints and their temp, DCP
-# and moved-aside forms (lib/run.py), logs, wandb's folder.
+# What train.py writes in a run folder (one with ckpt.pt): checkpoints in every form, logs, wandb.
 RUN_FILES = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.*.pt", "ckpt-*.dcp", "ckpt-*.dcp.tmp", "log.jsonl",
              "log.*.jsonl", "wandb")
 
@@ -464,17 +432,14 @@ def parse_args(argv):
     cfg = configure({k: globals()[k] for k in names}, argv)
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
-    if cfg["gguf_type"] not in GGUF_TYPES:
+    if cfg["gguf_type"] not in ("f32", "f16", "q8_0"):
         raise UserError(f"gguf_type must be f32, f16 or q8_0, got {cfg['gguf_type']!r}")
     need("sentencepiece.sentencepiece_model_pb2", "protobuf")  # both read the tokenizer's pieces
+    hf = ["safetensors.torch", "tokenizers"] + ["transformers"] * cfg["check"]
+    for module in ["gguf"] if cfg["gguf"] else hf:
+        need(module)
     if cfg["gguf"]:
-        need("gguf")
         check_gguf_path(cfg["gguf"])
-    else:
-        need("safetensors.torch")
-        need("tokenizers")
-        if cfg["check"]:
-            need("transformers")
     return cfg
 
 

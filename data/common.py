@@ -1,19 +1,12 @@
 """The entry of every data/<name>/prepare.py: prepare() runs the stages on a corpus ->
-train.bin / val.bin / tokenizer.model / meta.json (the layout is in the README), and the
-command-line options the scripts share. The stages, one module each, import only downward:
+train.bin / val.bin / tokenizer.model / meta.json, and the command-line options the scripts
+share. The stages, one module each, import only downward (shared.py below them all):
 
     sources.py -> documents.py -> tokenizer.py -> workers.py -> split.py -> write.py
-    (shared.py, below them all: the special ids, small helpers; lib/common.py: the error type)
 
-A corpus is a list of sources read in order (documents.py: what a document of each kind is).
-Everything streams, so memory does not grow with the corpus and the output does not depend on
-the number of workers. `prepare()` reads the corpus twice:
-  1. scan: validate every record, hash the input files, count documents and bytes, and draw
-     the tokenizer's training sample (tokenizer.py);
-  2. encode every document into one token file, each followed by the end-of-document id.
-Then the token file (not the corpus) is read once more to split it: validation takes an
-exact budget of tokens, picked document by document along the corpus (split.py). Outputs go
-to hidden temp names and are renamed at the end, meta.json last (write.py).
+Everything streams. The corpus is read twice, a scan (validate, hash, count, draw the
+tokenizer's sample) and the encoding into one token file, which the split then reads once
+more; outputs are renamed into place at the end, meta.json last. Detail: docs/DATA.md.
 """
 import collections
 import hashlib
@@ -44,8 +37,7 @@ def given_tokenizer(path):
         from lib.checkpoint import read  # torch and the model: only a run needs them
         ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
         info = read(ckpt, mmap=True).get("tokenizer") or {}  # one line if not a checkpoint
-        # The file the run recorded, else data/<dataset>'s, whose sha256 is the run's (where
-        # sample.py's load_tokenizer looks): a copy of it passes train.py's same check.
+        # the file the run recorded, else data/<dataset>'s (as sample.py looks), by sha256
         sha, name = info.get("sha256"), str(info.get("dataset"))
         where = [info.get("path"), os.path.join(DATA_DIR, name, "tokenizer.model")]
         found = [f for f in where if f and os.path.isfile(f) and file_sha256(f) == sha]
@@ -75,23 +67,20 @@ def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_toke
         raise UserError(f"seed must be between 0 and 2**64 - 1, not {seed}")
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
-    if val_tokens is not None and val_tokens < 1:
-        raise UserError(f"val_tokens must be at least 1, not {val_tokens}")
     if vocab_size == 0 and model_type != "char":  # sentencepiece's own error is INTERNAL
         raise UserError("vocab_size must be at least 261 (0, sized by the characters seen, "
                         "is for --model_type char only)")
     if vocab_size and vocab_size < 261:
         raise UserError(f"vocab_size {vocab_size} is too small: it must be at least 261, as "
                         f"byte fallback alone takes 260 ids (256 bytes, unk, bos, eos, newline)")
-    for name, value in (("min_val_tokens", min_val_tokens), ("num_proc", num_proc),
-                        ("sample_bytes", sample_bytes)):
-        if value < 1:
+    for name, value in (("val_tokens", val_tokens), ("min_val_tokens", min_val_tokens),
+                        ("num_proc", num_proc), ("sample_bytes", sample_bytes)):
+        if value is not None and value < 1:
             raise UserError(f"{name} must be at least 1, not {value}")
 
 
 def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
-    """Pass 1: validate every record, count documents and bytes, hash the inputs and draw
-    the tokenizer sample. Returns a dict of what it found."""
+    """Pass 1: validate every record, count, hash the inputs, draw the tokenizer sample."""
     # per source: documents, bytes, skipped records, records without any of the text fields
     per_source = collections.defaultdict(lambda: np.zeros(4, dtype=np.int64))
     skipped, hashes, marker = [], [], None
@@ -100,7 +89,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     found = tasks(sources, settings["text_fields"], settings["undecodable"], (), skipped,
                   hashes, bar)
     jobs = ((task, sample.cutoff()) for task in found)  # the cutoff when the job is sent
-    for r in workers.ordered_map(workers.scan, jobs, num_proc, workers.init_worker, (settings,)):
+    for r in workers.ordered_map(workers.scan, jobs, num_proc, settings):
         if r["error"]:
             raise UserError(r["error"])
         per_source[r["source"]] += (r["docs"], r["bytes"], r["skipped"], r["no_field"])
@@ -114,9 +103,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
                             f"{' or '.join(map(repr, settings['text_fields']))}; {FIELD_HINT}")
     kept = [per_source[si] for si in per_source if si not in skipped]
     docs, total_bytes, skipped_records, _ = (int(x) for x in sum(kept, np.zeros(4, np.int64)))
-    sha = hashlib.sha256()
-    for n, digest in hashes:
-        sha.update(f"{n}\0{digest}\n".encode("utf-8"))
+    sha = hashlib.sha256("".join(f"{n}\0{digest}\n" for n, digest in hashes).encode("utf-8"))
     return dict(docs=docs, bytes=total_bytes, skipped_records=skipped_records, skipped=skipped,
                 skipped_names=[sources[si][0] for si in skipped], marker=marker,
                 sha256=sha.hexdigest(), sample=sample)
@@ -130,9 +117,7 @@ def report_scan(corpus, name, source, text_field, seconds, log):
             f"{text_field!r} (not JSON, not an object, the field missing or not a string)")
     if not corpus["docs"]:
         raise UserError(f"empty corpus: no text found in {source}")
-    if corpus["marker"]:
-        # sentencepiece writes spaces as U+2581 internally, so the character itself decodes
-        # back as a space: the only input that does not round-trip. Say so instead of hiding it.
+    if corpus["marker"]:  # sentencepiece's own space: the one input that does not round-trip
         log(f"warning: some documents contain U+2581 (\u2581), which decodes as a space, e.g. "
             f"{corpus['marker']}")
     skipped = len(corpus["skipped"])
@@ -142,15 +127,13 @@ def report_scan(corpus, name, source, text_field, seconds, log):
 
 
 def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
-    """Pass 2: every document, in corpus order, into the token file at `path`. Returns
-    (tokens, documents, bytes, the number of worker processes that did any of it)."""
+    """Pass 2: every document into the token file `path`: (tokens, docs, bytes, processes)."""
     total, docs, nbytes, pids = 0, 0, 0, set()
     bar = tqdm(total=raw_total, desc="encoding", unit="B", unit_scale=True)
     jobs = tasks(sources, settings["text_fields"], settings["undecodable"], set(skipped), [],
                  None, bar)
     with open(path, "wb") as f:
-        for r in workers.ordered_map(workers.encode, jobs, num_proc, workers.init_worker,
-                                     (settings,)):
+        for r in workers.ordered_map(workers.encode, jobs, num_proc, settings):
             if r["error"]:
                 raise UserError(r["error"])
             f.write(r["tokens"].data)  # not ndarray.tofile: it ignores a failed write
@@ -177,8 +160,7 @@ def split_budget(total, val_fraction, val_tokens, min_val_tokens):
 
 
 def build_tokenizer(corpus, options, log):
-    """The tokenizer trained on the scan's sample: (model bytes, its processor, meta.json's
-    description of it); or the one --tokenizer gave."""
+    """The tokenizer trained on the sample, or --tokenizer's: (bytes, processor, its meta)."""
     if options["given"]:  # --tokenizer: that one, as it is
         return options["given"]
     vocab_size, model_type = options["vocab_size"], options["model_type"]
@@ -224,8 +206,7 @@ def dataset_meta(sources, corpus, sp, tok_settings, split, options):
 
 
 def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total, log):
-    """Tokenizer, pass 2 and the split into the temp files; returns (meta.json's dict, the
-    figures the last log line reports)."""
+    """Tokenizer, pass 2 and the split into the temp files: (meta.json's dict, log figures)."""
     t0 = time.time()
     model_bytes, sp, tok_settings = build_tokenizer(corpus, options, log)
     dtype = np.dtype(dtype_for_vocab(sp.get_piece_size()))
@@ -258,8 +239,7 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
 
 
 def os_error_message(e, out_dir):
-    """One line for an OSError: a source that cannot be read, or an output that cannot be
-    written (a full disk, a quota)."""
+    """One line for an OSError: a source unreadable, or an output unwritable (a full disk)."""
     if e.filename and not os.path.abspath(e.filename).startswith(os.path.abspath(out_dir)):
         return f"cannot read {e.filename}: {e.strerror or e}"
     return (f"cannot write the dataset to {out_dir}: {e.strerror or e}; nothing was written "
@@ -270,9 +250,9 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
             val_fraction=0.05, val_tokens=None, min_val_tokens=1025, sample_bytes=4_000_000,
             seed=1337, num_proc=None, text_field="text", undecodable="fail",
             tokenizer=None, extra_meta=None, log=print):
-    """Build the dataset folder out_dir from sources [(name, kind, path)] (see
-    sources.file_sources; kind "docs" takes a function returning an iterable of texts
-    instead of a path); tokenizer: a run or a .model to encode with. Returns the meta written."""
+    """Build the dataset folder out_dir from sources [(name, kind, path)] (sources.file_sources;
+    kind "docs": a function returning texts instead of a path); tokenizer: a run or a .model to
+    encode with. Returns the meta written."""
     t_start = time.time()
     # None is every core; 0 is a mistake, not a second way to say that
     num_proc = workers.default_num_proc() if num_proc is None else num_proc
@@ -315,9 +295,7 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
 # ----------------------------------------------------------------------------- command line
 
 def resolve_out_dir(out_dir):
-    """--out_dir NAME (no slash) is data/NAME next to train.py, where train.py's
-    --dataset=NAME looks, wherever prepare runs from; a path (absolute, or with a slash) is
-    taken as given, relative to the current folder."""
+    """--out_dir NAME (no slash) is data/NAME, wherever prepare runs from; a path is as given."""
     if os.path.isabs(out_dir) or "/" in out_dir or os.sep in out_dir or out_dir in (".", ".."):
         return os.path.abspath(out_dir)
     return os.path.join(DATA_DIR, out_dir)
@@ -330,8 +308,7 @@ OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which trai
 
 
 def add_arguments(p, vocab_size=4096, val_fraction=0.05):
-    """The options every prepare script shares; prepare_options(args) turns them into
-    prepare()'s keyword arguments."""
+    """The options every prepare script shares (prepare_options makes prepare's keywords)."""
     p.add_argument("--vocab_size", type=int, default=None,
                    help=f"default {vocab_size or 4096}; a char model without it takes every "
                         f"character of the sample + 256 bytes")
@@ -360,11 +337,10 @@ def prepare_options(args):
     if args.tokenizer and trains:
         raise UserError(f"--tokenizer takes a tokenizer that exists; {' and '.join(trains)} "
                         f"would train one: pass one or the other")
-    vocab_size = args.default_vocab_size if args.vocab_size is None else args.vocab_size
-    return dict(vocab_size=vocab_size, val_fraction=args.val_fraction,
-                val_tokens=args.val_tokens, min_val_tokens=args.min_val_tokens,
-                sample_bytes=args.sample_bytes, seed=args.seed, num_proc=args.num_proc,
-                model_type=getattr(args, "model_type", None) or "bpe", tokenizer=args.tokenizer)
+    shared = ("val_fraction", "val_tokens", "min_val_tokens", "sample_bytes", "seed", "num_proc")
+    return dict({k: getattr(args, k) for k in shared}, tokenizer=args.tokenizer,
+                vocab_size=args.default_vocab_size if args.vocab_size is None else args.vocab_size,
+                model_type=getattr(args, "model_type", None) or "bpe")
 
 
 def run(main_fn, argv):

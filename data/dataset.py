@@ -1,6 +1,5 @@
 """Reading a prepared dataset folder (meta.json, train.bin, val.bin): the one place that opens a
-split, so training, sampling, evaluation and export get the same checks, and a mistake in the
-folder is a UserError that names the file."""
+split, so every reader gets the same checks and a mistake is a UserError naming the file."""
 import json
 import os
 
@@ -31,10 +30,9 @@ def load_meta(ddir):
 
 
 def open_split(ddir, split, meta=None):
-    """The tokens of `split` ("train" or "val") as a read-only memmap, after checking the file's
-    size against the count meta.json records (train_tokens / val_tokens) times the item size:
-    a truncated or foreign .bin is refused, never read as a shorter corpus. A fresh memmap per
-    call: numpy keeps the pages of a long-lived memmap resident."""
+    """The tokens of `split` ("train" or "val") as a read-only memmap, its size checked against
+    meta.json's count, so a truncated or foreign .bin is refused. A fresh memmap per call:
+    numpy keeps the pages of a long-lived memmap resident."""
     meta = load_meta(ddir) if meta is None else meta
     path = os.path.join(ddir, f"{split}.bin")
     dtype = np.dtype(meta["dtype"])

@@ -1,18 +1,14 @@
-"""Stage 2: documents. The one rule that turns sources into documents, shared by prepare
-(every corpus) and eval.py (the text it scores):
-  - a text file is one document, but a corpus of a single text file is split into paragraphs
-    at blank lines (the separators are dropped: the end-of-document token stands for them);
-  - a .jsonl(.gz) line is a record, a parquet row is a record; its document is the first of
-    the text fields (--text_field=text,content) that the record has;
-  - a document of nothing but whitespace is no document.
-Streams stay bounded: a long document comes in pieces (text, first, last) cut at line ends,
-and the pieces are grouped into batches of about TASK_CHARS characters for the workers."""
+"""Stage 2: documents, by one rule shared by prepare and eval.py: a text file is a document (a
+corpus of a single text file: its paragraphs, split at blank lines); a .jsonl(.gz) line or a
+parquet row is a record whose document is the first of the text fields it has; a document of
+nothing but whitespace is none. A long document comes in pieces (text, first, last) cut at line
+ends, and the pieces go to the workers in batches of about TASK_CHARS characters."""
 import hashlib
 import json
 import os
 import re
 
-from data.shared import NoBar, cut_point
+from data.shared import cut_point, tqdm
 from lib.common import UserError
 from data.sources import TEXT_KINDS, decoded, gunzip, lines, parquet_texts, raw_blocks
 
@@ -26,8 +22,7 @@ FIELD_HINT = ("pass --text_field=NAME with the field its records use (several na
 
 
 def text_fields(spec):
-    """--text_field "text,content" -> ("text", "content"): the names a record's document may
-    be under, the first one present wins (shards of one corpus often disagree)."""
+    """--text_field "text,content" -> ("text", "content"): the first one a record has wins."""
     fields = tuple(f.strip() for f in spec.split(",") if f.strip())
     if not fields:
         raise UserError(f"--text_field names no field: {spec!r}")
@@ -35,9 +30,8 @@ def text_fields(spec):
 
 
 def split_paragraphs(text):
-    """Paragraphs of a text: pieces separated by one or more blank (or whitespace-only) lines.
-    The separators are dropped (the end-of-document id replaces them); each paragraph keeps
-    its own leading indentation. The reference for the streaming splitter `paragraphs`."""
+    """Paragraphs of a text, separated by blank (or whitespace-only) lines, which are dropped:
+    the reference for the streaming splitter `paragraphs`."""
     return [p for p in PARAGRAPH_SEP.split(text)[::2] if p.strip()]
 
 
@@ -106,18 +100,9 @@ def record_text(line, fields):
     return record[field], None
 
 
-def problem_message(where, problem, hint):
-    """The one-line error for a bad record: a missing field names --text_field first."""
-    msg = f"{where}: the record {problem}"
-    if problem.startswith(NO_FIELD):
-        msg += "; " + FIELD_HINT
-    return msg + (SKIP_HINT.format("records") if hint else "")
-
-
 def documents(kind, name, items, fields, skip, stats, hint=True):
     """(location, text, first, last) of a batch's documents. A bad record is counted in
-    stats["skipped"] under skip (a missing field also in stats["no_field"]), else stops the
-    batch with stats["error"] set (the first one)."""
+    stats["skipped"] (and "no_field") under skip, else stops the batch with stats["error"]."""
     for loc, payload, first, last in items:
         where = f"{name} line {loc}" if kind == "json" else f"{name} row index {loc}"
         problem = None
@@ -128,8 +113,10 @@ def documents(kind, name, items, fields, skip, stats, hint=True):
         elif not isinstance(payload, str):  # a parquet value
             problem = f"text is {type(payload).__name__}, not a string"
         if problem:
-            if not skip:
-                stats["error"] = stats.get("error") or problem_message(where, problem, hint)
+            if not skip:  # one line; a missing field names --text_field first
+                field_hint = "; " + FIELD_HINT if problem.startswith(NO_FIELD) else ""
+                skip_hint = SKIP_HINT.format("records") if hint else ""
+                stats["error"] = f"{where}: the record {problem}{field_hint}{skip_hint}"
                 return
             stats["skipped"] += 1
             stats["no_field"] = stats.get("no_field", 0) + problem.startswith(NO_FIELD)
@@ -142,10 +129,9 @@ def documents(kind, name, items, fields, skip, stats, hint=True):
 def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None, bar=None,
           hint=True):
     """Batches of work in corpus order: (kind, source index, name, items), items being
-    (location, payload, first, last) with payload a raw JSON line (kind 'json') or a text or
-    parquet value (kind 'text'). Text files that are not UTF-8 are added to `skipped` (under
-    undecodable=skip); `hashes`, when given, receives each source's sha256."""
-    bar = NoBar() if bar is None else bar
+    (location, payload, first, last), payload a raw JSON line (kind 'json') or a text. Files
+    not UTF-8 go to `skipped` (undecodable=skip); `hashes`, if given, gets each sha256."""
+    bar = tqdm(disable=True) if bar is None else bar
     for si, (name, kind, where) in enumerate(sources):
         if si in skip_files:
             continue
@@ -164,7 +150,7 @@ def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None
 def source_tasks(si, name, kind, where, fields, sha, bar):
     """The batches of one source (see tasks); `sha` receives its content hash."""
     if kind in TEXT_KINDS + ("jsonl",):
-        blocks = counted(raw_blocks(where, sha), bar)
+        blocks = raw_blocks(where, sha, bar)
         if where.lower().endswith(".gz"):
             blocks = gunzip(blocks, where)
     if kind == "jsonl":
@@ -191,12 +177,6 @@ def source_tasks(si, name, kind, where, fields, sha, bar):
         yield from batched(((i, t, True, True) for i, t in enumerate(texts())), "text", si, name)
 
 
-def counted(blocks, bar):
-    for b in blocks:
-        bar.update(len(b))
-        yield b
-
-
 def batched(items, kind, si, name):
     batch, size = [], 0
     for item in items:
@@ -210,9 +190,8 @@ def batched(items, kind, si, name):
 
 
 def whole_documents(sources, fields):
-    """(source index, text) of every document of the sources, in order and whole, by the
-    same code that feeds prepare's workers: for readers that score documents (eval.py).
-    Any bad record or undecodable file is an error."""
+    """(source index, text) of every document, whole, by the code that feeds prepare's workers
+    (for eval.py); any bad record or undecodable file is an error."""
     stats, pieces = {"skipped": 0, "error": None}, []
     for kind, si, name, items in tasks(sources, fields, "fail", hint=False):
         for _, text, first, last in documents(kind, name, items, fields, False, stats, False):

@@ -1,7 +1,5 @@
-"""What every stage of data/ shares: the special token ids, the names of the outputs and a
-few small helpers. Each stage (sources, documents, tokenizer, workers, split, write) imports
-it and none needs to import another stage just for these, which keeps the imports one-way.
-A user mistake, in every stage, raises lib/common.py's UserError."""
+"""What every stage of data/ shares, so that none imports another just for these and the
+imports stay one-way: the special token ids, the names of the outputs, small helpers."""
 import numpy as np
 
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.model", "tokenizer.vocab", "meta.json")
@@ -9,22 +7,9 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
 def tqdm(*args, **kwargs):
-    # tqdm is a requirement, but a bar is only decoration: fall back to a plain iterator.
-    try:
-        from tqdm import tqdm as bar
-    except ImportError:
-        return args[0] if args else NoBar()
-    kwargs.setdefault("disable", None)  # no bar when stderr is not a terminal (CI logs)
-    kwargs.setdefault("dynamic_ncols", True)
-    return bar(*args, **kwargs)
-
-
-class NoBar:
-    def update(self, n):
-        pass
-
-    def close(self):
-        pass
+    """A tqdm bar, shown only when stderr is a terminal (not in CI logs)."""
+    from tqdm import tqdm as bar
+    return bar(*args, **{"disable": None, "dynamic_ncols": True, **kwargs})
 
 
 def dtype_for_vocab(vocab_size):

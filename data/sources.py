@@ -12,10 +12,9 @@ TEXT_KINDS = ("text", "paragraphs")  # read as UTF-8 text: a file is a document,
 
 
 def find_files(paths, extensions=None):
-    """Expand files and folders (recursively; hidden entries and __pycache__ left out) into
-    (name, path) pairs in a fixed order: the paths as given, each folder walked with sorted
-    names. A name is the path relative to the folder given, with '/' separators, so the order
-    and the names do not depend on the machine."""
+    """Files and folders (walked in sorted order, hidden entries and __pycache__ left out) ->
+    (name, path) pairs; a name is the path inside the folder given, '/'-separated, so the
+    order and the names do not depend on the machine."""
     found = []
     for given in paths:
         if not os.path.exists(given):
@@ -44,24 +43,22 @@ def file_kind(path):
 
 
 def file_sources(files):
-    """(name, path) pairs -> sources (name, kind, path). A corpus of exactly one text file is
-    of kind "paragraphs": split at blank lines, so that it can still be divided into
-    documents (documents.py holds the rule)."""
+    """(name, path) pairs -> sources (name, kind, path); a corpus of exactly one text file is
+    of kind "paragraphs", split at blank lines (documents.py)."""
     sources = [(name, file_kind(path), path) for name, path in files]
     if len(sources) == 1 and sources[0][1] == "text":
         sources = [(sources[0][0], "paragraphs", sources[0][2])]
     return sources
 
 
-def raw_blocks(path, sha=None):
-    """The bytes of a file in blocks of READ_BYTES; `sha`, when given, is updated with each."""
+def raw_blocks(path, sha=None, bar=None):
+    """The bytes of a file in blocks of READ_BYTES; `sha` and `bar`, if given, count each."""
     with open(path, "rb") as f:
-        while True:
-            block = f.read(READ_BYTES)
-            if not block:
-                return
+        for block in iter(lambda: f.read(READ_BYTES), b""):
             if sha is not None:
                 sha.update(block)
+            if bar is not None:
+                bar.update(len(block))
             yield block
 
 
@@ -104,8 +101,7 @@ def lines(blocks):
 
 
 def decoded(blocks, path):
-    """UTF-8 text of byte blocks, every byte kept (a CRLF stays CRLF); a bad byte raises
-    UnicodeError with its offset in the file."""
+    """UTF-8 text of byte blocks, every byte kept (CRLF too); a bad byte: UnicodeError, offset."""
     dec = codecs.getincrementaldecoder("utf-8")("strict")
     offset = 0
     for block in blocks:

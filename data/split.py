@@ -1,7 +1,6 @@
-"""Stage 5: the split. The token file (every document ending in EOS) is read once more and
-cut into validation and training: validation takes an exact budget of tokens, picked document
-by document along the corpus; the training split is compacted in place in the same file, so
-the split needs no second copy of the corpus on disk or in memory."""
+"""Stage 5: the split. Validation takes an exact budget of tokens from the token file, picked
+document by document along the corpus; training is compacted in place in the same file, so
+the split needs no second copy of the corpus (docs/DATA.md)."""
 import os
 
 import numpy as np
@@ -13,8 +12,7 @@ PICK_AHEAD = 4096         # documents tested at once for the next validation pic
 
 
 class TokenSplit:
-    """One split in progress: the token file `fd`, read and compacted in place into the
-    training split, and the validation file, with what each holds so far."""
+    """A split in progress: the token file `fd`, compacted in place into training, and val."""
 
     def __init__(self, fd, val_file, dtype, newline_id):
         self.fd, self.val_file, self.dtype, self.newline_id = fd, val_file, dtype, newline_id
@@ -86,12 +84,9 @@ class TokenSplit:
 
 def pick_documents(split, starts, ends, uniforms, total, budget):
     """Send the documents starts[i]..ends[i] (in corpus order) to one split or the other.
-
-    After a document ending at token e validation "owes" budget * e / total - V tokens, V
-    being what it holds; it takes the document when the debt is at least u_i times the
-    document's length (u_i a seeded uniform number per document), so the picks are spread
-    along the corpus and change with the seed. Whatever the debt, a document gives at least
-    what the rest of the corpus could no longer supply, so the budget is met exactly."""
+    Validation, holding V, takes a document ending at e when what it owes, budget * e / total
+    - V, is at least the seeded uniform u_i times its length; and always at least what the rest
+    of the corpus could no longer supply, so the budget is met exactly."""
     rate = budget / total
     lengths = ends - starts
     i = 0
@@ -115,13 +110,9 @@ def pick_documents(split, starts, ends, uniforms, total, budget):
 
 
 def split_tokens(path, val_path, dtype, total, budget, seed, newline_id, bar=None):
-    """Move exactly `budget` tokens of the token file at `path` (every document ending in
-    EOS) to val_path, and compact the rest in place into the training split (see
-    pick_documents). A document too large for the remaining budget is cut after the last
-    newline that fits (its first part, with an EOS of its own, goes to validation, the rest
-    stays in training); only a forced piece may have to end inside a line (when the one
-    token still owed is its EOS, it is an empty piece). Returns
-    (train tokens, val tokens, train pieces, val pieces, documents cut)."""
+    """Move exactly `budget` tokens of the token file at `path` to val_path and compact the rest
+    in place (pick_documents; a document too large for the budget left is cut after a newline:
+    TokenSplit.take). Returns (train tokens, val tokens, train pieces, val pieces, cuts)."""
     dtype = np.dtype(dtype)
     fd = os.open(path, os.O_RDWR)
     try:

@@ -1,7 +1,6 @@
-"""Stage 3: the tokenizer. Its training sample, drawn while the corpus streams past (the
-units with the smallest seeded keys that fit in sample_bytes, so it depends neither on the
-order the units arrive in nor on how they were batched), and sentencepiece trained on it with
-the settings every dataset of this repo shares (export.py relies on them)."""
+"""Stage 3: the tokenizer. Its sample, drawn as the corpus streams past (the units with the
+smallest seeded keys, so neither their order nor the batching matters), and sentencepiece
+trained on it with the settings every dataset of this repo shares (export.py relies on them)."""
 import heapq
 import io
 import re
@@ -38,8 +37,7 @@ class TokenizerSample:
             self.size -= len(heapq.heappop(self.heap)[2])
 
     def lines(self, skipped_sources):
-        """The sample's units in key order, the prefix that fits sample_bytes, as the
-        non-blank lines sentencepiece trains on."""
+        """The units in key order that fit sample_bytes, as the non-blank lines to train on."""
         lines, size = [], 0
         for key, si, text in sorted((-k, si, t) for k, si, t in self.heap
                                     if si not in skipped_sources):
@@ -108,9 +106,6 @@ def trainer_error(e, vocab_size):
     return UserError(f"sentencepiece failed: {msg}")
 
 
-def load_tokenizer(model_bytes_or_path):
+def load_tokenizer(model_bytes):
     import sentencepiece as spm
-
-    if isinstance(model_bytes_or_path, (bytes, bytearray)):
-        return spm.SentencePieceProcessor(model_proto=bytes(model_bytes_or_path))
-    return spm.SentencePieceProcessor(model_file=model_bytes_or_path)
+    return spm.SentencePieceProcessor(model_proto=model_bytes)

@@ -1,9 +1,6 @@
-"""Stage 4: the encoding workers. The main process reads the sources (documents.tasks) and
-hands batches to `num_proc` worker processes, at most a few batches ahead, and takes their
-results back in the order it sent them, so memory does not grow with the corpus and the
-output does not depend on the number of workers. Two kinds of work: `scan` (pass 1: validate,
-count, draw tokenizer sample candidates) and `encode` (pass 2: token ids, each document
-finished by the end-of-document id)."""
+"""Stage 4: the workers, which take batches from the main process (documents.tasks) in order:
+`scan` (pass 1: validate, count, draw tokenizer sample candidates) and `encode` (pass 2: token
+ids, each document finished by the end-of-document id)."""
 import collections
 import itertools
 import multiprocessing
@@ -27,24 +24,20 @@ def default_num_proc():
 
 def cpu_seconds():
     """CPU time of this process and of its finished children (the workers), user + system."""
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return float("nan")
+    import resource  # Unix only, as is the split's os.pread
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def ordered_map(fn, jobs, num_proc, initializer=None, initargs=()):
-    """fn over jobs in num_proc worker processes, results in the order of the jobs. At most
-    a few jobs are in flight, so a fast reader cannot queue up the whole corpus in memory."""
+def ordered_map(fn, jobs, num_proc, settings):
+    """fn over jobs in num_proc worker processes (each set up by init_worker(settings)), results
+    in the order of the jobs. At most a few jobs are in flight, so a fast reader cannot queue
+    up the whole corpus in memory."""
     if num_proc <= 1:
-        if initializer:
-            initializer(*initargs)
-        for job in jobs:
-            yield fn(job)
+        init_worker(settings)
+        yield from map(fn, jobs)
         return
-    with multiprocessing.Pool(num_proc, initializer, initargs) as pool:
+    with multiprocessing.Pool(num_proc, init_worker, (settings,)) as pool:
         window = collections.deque()
         for job in jobs:
             window.append(pool.apply_async(fn, (job,)))
@@ -54,8 +47,7 @@ def ordered_map(fn, jobs, num_proc, initializer=None, initargs=()):
             yield window.popleft().get()
 
 
-# The settings of this worker process (text fields, undecodable, seed; for encoding also the
-# tokenizer and dtype), set once per process by init_worker.
+# This worker process's settings (text fields, undecodable, seed; encode: tokenizer, dtype).
 _worker = {}
 
 
@@ -67,12 +59,12 @@ def init_worker(settings):
 
 
 def _batch_documents(kind, name, items, stats):
-    return docs_stage.documents(kind, name, items, _worker["text_fields"],
-                                _worker["undecodable"] == "skip", stats)
-
-
-def _utf8_size(text):
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
+    """The batch's documents (documents.documents), counted in stats as they pass."""
+    for loc, text, _, last in docs_stage.documents(
+            kind, name, items, _worker["text_fields"], _worker["undecodable"] == "skip", stats):
+        stats["docs"] += last
+        stats["bytes"] += len(text) if text.isascii() else len(text.encode("utf-8"))
+        yield loc, text, last
 
 
 def scan(job):
@@ -81,9 +73,7 @@ def scan(job):
     stats = {"docs": 0, "bytes": 0, "skipped": 0, "no_field": 0, "marker": None, "error": None,
              "source": si, "pid": os.getpid()}
     units, locs = [], []
-    for loc, text, first, last in _batch_documents(kind, name, items, stats):
-        stats["docs"] += last
-        stats["bytes"] += _utf8_size(text)
+    for loc, text, _ in _batch_documents(kind, name, items, stats):
         if stats["marker"] is None and "\u2581" in text:
             stats["marker"] = f"{name} at {loc}"
         sub = 0
@@ -103,9 +93,7 @@ def encode(job):
     sp, dtype = _worker["sp"], _worker["dtype"]
     stats = {"docs": 0, "bytes": 0, "skipped": 0, "error": None, "pid": os.getpid()}
     texts, ends = [], []
-    for loc, text, first, last in _batch_documents(kind, name, items, stats):
-        stats["docs"] += last
-        stats["bytes"] += _utf8_size(text)
+    for _, text, last in _batch_documents(kind, name, items, stats):
         while len(text) > docs_stage.PIECE_CHARS:  # a long JSON record or parquet value
             i = cut_point(text, docs_stage.PIECE_CHARS)
             texts.append(text[:i])

@@ -1,8 +1,6 @@
-"""Stage 6: writing. Every output goes to a hidden temp name in the dataset folder and is
-renamed at the end, meta.json last, so a folder with meta.json in it is complete; each one
-with lib/common.py's publish (fsync, rename, fsync the folder), so the renames are durable
-across a power loss too. A failure removes the temp files and leaves a dataset already in
-the folder as it was."""
+"""Stage 6: writing. Every output goes to a hidden temp name and is published (lib/common.py:
+fsync, rename, fsync the folder) at the end, meta.json last, so a folder with meta.json is
+complete; a failure removes the temp files and leaves the dataset already there as it was."""
 import json
 import os
 
@@ -10,15 +8,13 @@ from data.shared import OUTPUTS
 from lib import common
 from lib.common import UserError
 
-# Fields every meta.json that prepare ever wrote holds (since its first version): a folder
-# whose meta.json has them is a dataset prepare made, and prepare may replace it.
+# Fields every meta.json prepare ever wrote holds: a folder whose meta.json has them is its own.
 OWN_META_KEYS = ("source_sha256", "source_hash_of", "tokenizer")
 
 
 def check_own_folder(out_dir):
-    """Refuse an out_dir whose meta.json prepare did not write (another tool's dataset, a
-    hand-made folder): prepare replaces the dataset in its folder, so that one would be lost.
-    Called before any work, so nothing on disk has changed when it refuses."""
+    """Refuse, before any work, an out_dir whose meta.json prepare did not write (another
+    tool's dataset, a hand-made folder): prepare would replace it."""
     path = os.path.join(out_dir, "meta.json")
     if not os.path.lexists(path):
         return

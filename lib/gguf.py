@@ -1,17 +1,9 @@
 """
-A run as one GGUF file, the format llama.cpp, ollama and LM Studio read (export.py --gguf
-imports it only then).
-
-The model is llama.cpp's `gptneox` architecture, the same block the HF export maps to
-(pre-LayerNorm, GELU MLP, sequential residual, RoPE in the rotate-half layout on the whole
-head). The tokenizer is the run's sentencepiece model written as llama.cpp's `llama` (SPM)
-tokenizer: its pieces, scores and piece types, no space prefix, no BOS, so llama.cpp cuts text
-into the same ids as sentencepiece. The file is written here, directly, because llama.cpp's own
-converter reads only HF folders and refuses (or mis-tokenizes) ours: it would treat our
-tokenizer.json as a byte-level BPE whose pre-tokenizer it does not recognise.
-
-export.py decides what may be exported and where; this module turns a model and its tokenizer
-into metadata and tensors, writes and reads them back, and compares llama.cpp's run with ours.
+A run as one GGUF file for llama.cpp, ollama and LM Studio (export.py --gguf imports it only
+then): llama.cpp's `gptneox` block and the run's sentencepiece model as its `llama` (SPM)
+tokenizer, written here because llama.cpp's converter would misread our tokenizer.json. This
+module makes the metadata and tensors, writes and reads them back and runs llama.cpp against
+our model; export.py decides what is exported and where. The file in detail: docs/EXPORT.md.
 """
 import sys
 
@@ -29,11 +21,8 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 # --- metadata ------------------------------------------------------------------------------
 
 def rope_metadata(c):
-    """(freq_base, llama.cpp's scaling type) for our RoPE. Static NTK-aware scaling is plain RoPE
-    with a larger base, so it is written as that base and "none" (llama.cpp takes a missing type
-    for "linear"). llama.cpp's yarn is transformers' with truncate=True, as ours: corr dims
-    floor/ceil, ramp over the pair index, cos and sin times 0.1 ln s + 1 (computed by llama.cpp
-    from the factor, which it stores inverted as freq_scale)."""
+    """(freq_base, llama.cpp's scaling type) for our RoPE: static NTK is plain RoPE with a larger
+    base, and "none" is explicit (llama.cpp takes a missing type for "linear"); docs/EXPORT.md."""
     if c.rope_scaling == "ntk":
         return ntk_base(c.rope_base, c.rope_factor, c.n_embd // c.n_head), "none"
     return c.rope_base, c.rope_scaling if c.rope_factor != 1.0 else "none"
@@ -42,11 +31,8 @@ def rope_metadata(c):
 def vocabulary(proto, vocab_size):
     """(pieces, scores, token types) from the sentencepiece model, padded with unused entries up
     to the model's vocab_size (llama.cpp sizes the embedding from the token list)."""
-    sp_kind = proto.SentencePiece
-    kinds = {sp_kind.NORMAL: gguf.TokenType.NORMAL, sp_kind.UNKNOWN: gguf.TokenType.UNKNOWN,
-             sp_kind.CONTROL: gguf.TokenType.CONTROL, sp_kind.BYTE: gguf.TokenType.BYTE,
-             sp_kind.USER_DEFINED: gguf.TokenType.USER_DEFINED,
-             sp_kind.UNUSED: gguf.TokenType.UNUSED}
+    kinds = {getattr(proto.SentencePiece, k): getattr(gguf.TokenType, k)
+             for k in ("NORMAL", "UNKNOWN", "CONTROL", "BYTE", "USER_DEFINED", "UNUSED")}
     pad = range(len(proto.pieces), vocab_size)  # rows the model has, the tokenizer never emits
     pieces = [p.piece for p in proto.pieces] + [f"[PAD{i}]" for i in pad]
     scores = [float(p.score) for p in proto.pieces] + [0.0] * len(pad)
@@ -84,12 +70,11 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
         K.Tokenizer.EOS_ID: (sp.eos_id(), T.UINT32, None),  # end of document
         K.Tokenizer.UNK_ID: (sp.unk_id(), T.UINT32, None),
         K.Tokenizer.PAD_ID: (sp.eos_id(), T.UINT32, None),  # as the HF export's pad_token
-        # documents start after EOS and no BOS is ever trained; our tokenizer adds no "▁" prefix
-        K.Tokenizer.ADD_BOS: (False, T.BOOL, None),
-        K.Tokenizer.ADD_EOS: (False, T.BOOL, None),
-        K.Tokenizer.ADD_PREFIX: (False, T.BOOL, None),
-        K.Tokenizer.REMOVE_EXTRA_WS: (False, T.BOOL, None),
     }
+    # documents start after EOS and no BOS is ever trained; our tokenizer adds no "▁" prefix
+    for key in (K.Tokenizer.ADD_BOS, K.Tokenizer.ADD_EOS, K.Tokenizer.ADD_PREFIX,
+                K.Tokenizer.REMOVE_EXTRA_WS):
+        meta[key] = (False, T.BOOL, None)
     if sp.bos_id() >= 0:  # named, so that llama.cpp does not guess one; never added
         meta[K.Tokenizer.BOS_ID] = (sp.bos_id(), T.UINT32, None)
     if scaling != "none":  # the original context, or llama.cpp takes the window for it
@@ -104,8 +89,7 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
 # --- tensors -------------------------------------------------------------------------------
 
 def tensor_names(n_layer):
-    """{our state-dict name without .weight/.bias: llama.cpp's gptneox name without them}. The
-    output head is tied to wte, so `output` is written from wte (see gguf_tensors)."""
+    """{our state-dict name without .weight/.bias: llama.cpp's name} (not the tied head)."""
     names, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     out = {"wte": names[M.TOKEN_EMBD], "ln_f": names[M.OUTPUT_NORM]}
     for i in range(n_layer):
@@ -117,9 +101,8 @@ def tensor_names(n_layer):
 
 
 def encode_tensor(weight, gguf_type):
-    """float32 numpy array -> (array as stored, its GGML type). Only 2-D weights are rounded:
-    llama.cpp keeps norms and biases in float32, and q8_0 blocks run along a row of 32, so a
-    weight whose rows are not a multiple of 32 falls back to f16."""
+    """float32 numpy array -> (array as stored, its GGML type). Norms and biases stay float32;
+    q8_0 blocks run along rows of 32, so other row lengths fall back to f16."""
     Q = gguf.GGMLQuantizationType
     if weight.ndim == 1 or gguf_type == "f32":
         return weight.astype(np.float32), Q.F32
@@ -129,11 +112,8 @@ def encode_tensor(weight, gguf_type):
 
 
 def gguf_tensors(model, gguf_type):
-    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. Our c_attn rows are
-    [q | k | v], each n_head x head_dim, which is how llama.cpp's gptneox graph splits
-    attn_qkv (views at offsets 0, n_embd, 2 n_embd), so it is written as it is. llama.cpp's
-    gptneox loader requires a bias for every linear layer and LayerNorm: a bias-free model gets
-    zeros (adding zero changes nothing)."""
+    """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. c_attn is already
+    llama.cpp's qkv layout; its loader requires every bias, so a bias-free model gets zeros."""
     c = model.config
     state = {k: v.detach().to(device="cpu", dtype=torch.float32).numpy()
              for k, v in model.state_dict().items()}
@@ -175,8 +155,8 @@ def same_value(found, expected, vtype, item_type):
 
 
 def verify_gguf(path, metadata, tensors):
-    """Read the file back with gguf.GGUFReader: every key written with its type and value, every
-    tensor with its name, shape, type and bytes. Returns a list of problems (empty: all there)."""
+    """The file read back: every key's type and value, every tensor's name, shape, type and
+    bytes, compared with what was written. Returns a list of problems (empty: all there)."""
     reader = gguf.GGUFReader(path)
     problems = []
     for key, (value, vtype, item_type) in metadata.items():
@@ -204,8 +184,7 @@ def verify_gguf(path, metadata, tensors):
 
 
 def weights_from_gguf(path, model):
-    """A copy of `model` with the weights the file holds (dequantized to float32): the model
-    llama.cpp runs, computed our way, which the checks and tests compare against."""
+    """A copy of `model` with the file's weights (dequantized): what llama.cpp runs, our way."""
     reader = gguf.GGUFReader(path)
     stored = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                                  dtype=np.float32)).reshape(
@@ -236,9 +215,8 @@ def llama_cpp_greedy(llm, prompt_ids, n_new):
 
 
 def check_with_llama_cpp(path, model, sp, text):
-    """Where llama-cpp-python is installed: run the file, print one line comparing it with our
-    model, and return whether it matches (same ids; logits within 5% of their scale). Without
-    it: a note, and True."""
+    """With llama-cpp-python: run the file, print one line comparing it with our model, return
+    whether it matches (same ids; logits within 5% of their scale). Without: a note, True."""
     try:
         import llama_cpp
     except ImportError:
@@ -257,9 +235,8 @@ def check_with_llama_cpp(path, model, sp, text):
 
 @torch.no_grad()
 def compare_with_llama_cpp(path, model, sp, text, n_greedy=24):
-    """Run the file in llama.cpp (llama-cpp-python) and compare it with our model holding the
-    file's weights: token ids against sentencepiece on each line of `text` and on all of it, the
-    logits of one window of it, and greedy decoding from its start."""
+    """The file in llama.cpp against our model with the file's weights: token ids (each line of
+    `text` and all of it), the logits of one window of it, greedy decoding from its start."""
     import llama_cpp
     reference = weights_from_gguf(path, model)
     window = model.config.context_window

@@ -16,9 +16,8 @@ EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 def stdlib_sources():
-    """Returns (sources, source description) for this Python: every .py file of the stdlib
-    (a document each; files that are not UTF-8, a few tests ship latin-1 or koi8-r on
-    purpose, are skipped), then the pydoc topics as documents held in memory."""
+    """(sources, description) for this Python: every .py file of the stdlib (a document each;
+    the few that are not UTF-8 are skipped), then the pydoc topics, held in memory."""
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirs, names in os.walk(root):

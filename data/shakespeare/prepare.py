@@ -4,10 +4,8 @@ data/shakespeare_char/ so results can be set beside nanoGPT's shakespeare_char.
 
     python data/shakespeare/prepare.py [--input FILE] [--char]
 
-The file is split into documents at blank lines (each speech is a document), so train and
-val share no speech, but for the one or two the exact validation budget cuts between them
-(data/split.py). nanoGPT instead cuts the text at 90% of its length, so losses are close to
-comparable but not identical (ours also predicts an end-of-document token per speech).
+Each speech (split at blank lines) is a document, where nanoGPT cuts the text at 90% of its
+length: losses are close to comparable, not identical (ours also predict each speech's end).
 """
 import argparse
 import os
@@ -23,8 +21,7 @@ URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshake
 
 
 def download(path, timeout):
-    """Fetch tiny Shakespeare to path (via a temp name); a short timeout so an offline
-    machine fails fast with a hint instead of hanging."""
+    """Fetch tiny Shakespeare to path (via a temp name); offline, fail fast with a hint."""
     tmp = f"{path}.tmp.{os.getpid()}"
     print(f"downloading {URL} ...")
     try:

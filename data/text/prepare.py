@@ -5,15 +5,9 @@
     python data/text/prepare.py --input shards/ --out_dir web --val_tokens 5000000
     python data/text/prepare.py --input shards/ --out_dir /big/web   # train.py --data_dir=/big/web
 
---out_dir NAME writes data/NAME next to train.py (train.py --dataset=NAME reads it) from any
-folder; a path (absolute, or with a slash) is taken as given, and train.py reads a corpus kept
-outside data/ with --data_dir=PATH. The kind of a file comes from its name: .jsonl and
-.jsonl.gz hold one JSON object per line, the document in the field --text_field (default
-"text"; several names, e.g. text,content: the first one a record has); .parquet files (read
-with pyarrow, an optional dependency) hold it in the first of those columns they have; any
-other file is UTF-8 text and one document (folders are read recursively in sorted order;
-hidden entries and __pycache__ are left out). A corpus of a single text file is split into
-documents at blank lines.
+The kind of a file comes from its name: .jsonl(.gz) records and .parquet rows hold a document
+in --text_field; any other file is UTF-8 text and one document, and a corpus of a single text
+file is split at blank lines. The inputs and --out_dir in detail: docs/DATA.md.
 """
 import argparse
 import os
