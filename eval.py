@@ -18,13 +18,9 @@ are a document each, a .jsonl(.gz) record or parquet row is a document (--text_f
 document is read after the end-of-document token (the context every training document starts
 from) and every one of its tokens is scored once.
 
-Bytes are the UTF-8 bytes of the documents scored, exactly the text their tokens encode
-(the carriage returns of CRLFs included): the blank runs between paragraphs, which the
-end-of-document token stands for in training, and whitespace-only files, which are no
-document, add no tokens and so no bytes. Counting them (the bytes on disk) let padding a text
-with blank lines or a file of spaces lower bits per byte at will; scoring them as tokens would
-charge the model for separators prepare never trains it on. So bits per byte is the loss per
-byte of the text it is measured on.
+Bytes are the UTF-8 bytes of the documents scored, exactly the text their tokens encode: the
+blank runs between paragraphs and whitespace-only files add neither tokens nor bytes, so
+padding a text cannot move bits per byte (docs/RESULTS.md says why).
 
 Text longer than the window is scored with a sliding window: windows of
 block_size tokens (original context * rope_factor when scaled) start every `stride` tokens;

@@ -178,11 +178,9 @@ def check_sampling(temperature=1.0, top_k=None, top_p=None, vocab_limit=None):
         raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
 
 
-# Temperatures in (0, GREEDY_BELOW) decode greedily. Dividing float32 logits by a temperature
-# near 1e-38 or below overflows them to inf (1e-45 gave NaN probabilities and a traceback);
-# and already at 1e-6 the only tokens with a probability above 1e-10 are those within 2.3e-5 of
-# the largest logit, a few float32 rounding steps for logits of size 10-100: greedy is the same
-# distribution up to that rounding, and the limit of sampling as the temperature goes to 0.
+# Temperatures in (0, GREEDY_BELOW) decode greedily: float32 logits / 1e-45 overflow (NaN
+# probabilities), and at 1e-6 only tokens within float32 rounding of the top one have any
+# probability left, so greedy is that distribution up to rounding, and its limit at 0.
 GREEDY_BELOW = 1e-6
 
 
@@ -284,16 +282,13 @@ def uncached_tokens(model, idx, max_new_tokens, sampling, generator):
 
 def generate_stream(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                     use_cache=True, generator=None, compile=False, vocab_limit=None):
-    """Yield the next (B, 1) tokens one at a time (arguments are checked now, not at the
-    first token).
-
-    use_cache=True: prefill the prompt, then one token per step against the cache (a
-    rolling window of context_window keys for softmax, the recurrent state for linear
-    attention). use_cache=False: the reference loop, recomputing the last context_window
-    tokens per step. compile=True (cached only): the one-token step runs as one static
-    compiled graph. Sampling stays outside it, so eager and compiled draw the same tokens
-    whenever their logits agree. vocab_limit: never draw an id >= it (the tokenizer's piece
-    count, where the model's vocab_size is padded past it)."""
+    """Yield the next (B, 1) tokens one at a time (arguments checked now, not at the first
+    token). use_cache=True: prefill, then one token per step against the cache (a rolling
+    window of context_window keys, or linear attention's state); False: the reference loop,
+    recomputing the last context_window tokens per step. compile=True (cached only): the step
+    as one static graph, sampling outside it (eager and compiled draw the same tokens when
+    their logits agree). vocab_limit: never draw an id >= it (a vocab padded past the
+    tokenizer's pieces)."""
     check_sampling(temperature, top_k, top_p, vocab_limit)
     check_request(model, idx, max_new_tokens, use_cache, compile)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, vocab_limit=vocab_limit)
