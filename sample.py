@@ -154,13 +154,13 @@ def tokenizer_sha256(folder):
 
 def describe(out_dir, ckpt, model):
     """One line about the loaded run, for stderr."""
-    c = model.config
-    p = next(model.parameters())
+    c, p = model.config, next(model.parameters())
     dtype = str(p.dtype).removeprefix("torch.")
     return (f"{os.path.join(out_dir, 'ckpt.pt')}: iter {ckpt.get('iter_num')}, val loss "
             f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M "
             f"params, {c.attention} attention, {c.pos_encoding} positions, rope_scaling "
-            f"{c.rope_scaling} x{c.rope_factor:g}; {p.device} {dtype}")
+            f"{c.rope_scaling} x{c.rope_factor:g}, window {c.context_window} (original context "
+            f"{c.original_context}); {p.device} {dtype}")
 
 
 # -----------------------------------------------------------------------------------------
