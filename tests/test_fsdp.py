@@ -252,3 +252,20 @@ def test_fsdp_needs_torchrun(data, tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+@pytest.mark.slow
+def test_init_from_an_fsdp_run_and_into_one(runs, data, tmp_path):
+    """init_from=RUN reads an FSDP run (its ckpt.pt's consolidated weights, the DCP folder
+    beside it) in one process, and loads a one-process run's weights into an FSDP run's
+    shards: iteration 0 of each new run holds exactly the weights it started from."""
+    common = [f"--data_dir={data}", *ARGS, "--max_iters=0", "--block_size=64",
+              "--rope_scaling=linear", "--rope_factor=2"]
+    one = str(tmp_path / "from_fsdp")
+    train(*common, f"--out_dir={one}", f"--init_from={runs['fsdp']}")
+    assert max_diff(load(one)["model"], load(runs["fsdp"])["model"]) == 0.0
+    sharded = str(tmp_path / "into_fsdp")
+    torchrun(2, *common, f"--out_dir={sharded}", f"--init_from={runs['one']}", "--fsdp=True")
+    ck = load(sharded)
+    assert "sharded" in ck and ck["iter_num"] == 0 and ck["model_args"]["rope_original"] == 32
+    assert max_diff(ck["model"], load(runs["one"])["model"]) == 0.0
