@@ -32,6 +32,7 @@ import numpy as np
 GENERATED = re.compile(r"Codec|generated|DO NOT EDIT")  # the first 100 tokens of a document
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALED = ("linear", "ntk", "yarn")
+COLLECT = False  # --collect: read what is finished, train and evaluate nothing
 COLORS = dict(none="C0", linear="C1", ntk="C2", yarn="C3", local="C4")  # the plot's
 
 
@@ -53,6 +54,8 @@ def parse_args(argv):
     p.add_argument("--pk_ft_iters", type=int, default=150)
     p.add_argument("--pk_samples", type=int, default=20, help="passkey prompts per cell")
     p.add_argument("--pk_depths", default="0,0.25,0.5,0.75,1")
+    p.add_argument("--collect", action="store_true",
+                   help="train and evaluate nothing: the stages' rows from what is finished")
     args = p.parse_args(argv)
     args.stages = args.stages.split(",")
     args.seeds = [int(s) for s in args.seeds.split(",")]
@@ -80,9 +83,15 @@ def run_minutes(run_dir):
     path = os.path.join(run_dir, "log.jsonl")
     if not os.path.exists(os.path.join(run_dir, "ckpt.pt")) or not os.path.exists(path):
         return None
+    last = last_line(path)
+    return last and (last["iter"], last["time_s"] / 60)
+
+
+def last_line(path):
+    """The last JSON line of a run's log.jsonl (None while it has none)."""
     with open(path) as f:
-        last = json.loads(f.read().strip().splitlines()[-1])
-    return last["iter"], last["time_s"] / 60
+        lines = f.read().strip().splitlines()
+    return json.loads(lines[-1]) if lines else None
 
 
 def train(out, name, args, max_iters):
@@ -91,6 +100,8 @@ def train(out, name, args, max_iters):
     done = run_minutes(run_dir)
     if done and done[0] >= max_iters:
         return run_dir
+    if COLLECT:
+        return None
     sh(["train.py"] + args + [f"--out_dir={run_dir}", f"--max_iters={max_iters}",
                               "--compile=False"], os.path.join(out, "logs", name + ".log"))
     return run_dir
@@ -99,10 +110,13 @@ def train(out, name, args, max_iters):
 def evaluate(out, name, run_dir, args):
     """eval.py --json on run_dir with `args`; its JSON lines, cached in out/evals/name.json."""
     path = os.path.join(out, "evals", name + ".json")
+    if COLLECT and not os.path.exists(path):
+        return []
     if not os.path.exists(path):
         lines = sh(["eval.py", f"--out_dir={run_dir}", "--json"] + args,
                    os.path.join(out, "logs", "eval_" + name + ".log"))
         rows = [json.loads(line) for line in lines if line.startswith("{")]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(rows, f)
@@ -249,7 +263,7 @@ def text_study(args):
 def passkey_corpus(out, name, words, docs, tokenizer=None):
     """data/passkey/prepare.py's corpus with 0..words filler words a document."""
     path = os.path.join(out, "data", name)
-    if not os.path.exists(os.path.join(path, "meta.json")):
+    if not COLLECT and not os.path.exists(os.path.join(path, "meta.json")):
         sh(["data/passkey/prepare.py", "--out_dir", path, "--docs", str(docs), "--min_len", "0",
             "--max_len", str(words)] + (["--tokenizer", tokenizer] if tokenizer else []),
            os.path.join(out, "logs", f"prepare_{name}.log"))
@@ -294,7 +308,7 @@ def cell(values, fmt):
                                if len(values) > 1 else "")
 
 
-def grid_table(rows, block, key, fmt, reduce_depths=False):
+def grid_table(rows, block, key, fmt):
     """Markdown: a row per method, a column per length (as a multiple of B); each cell the
     mean over seeds (and over depths for passkey cells) of `key`."""
     lengths = sorted({r["length"] for r in rows})
@@ -334,10 +348,9 @@ def runs_table(out):
     runs = {}
     for name in sorted(os.listdir(os.path.join(out, "runs"))):
         path = os.path.join(out, "runs", name, "log.jsonl")
-        if not os.path.exists(path):
+        last = os.path.exists(path) and last_line(path)
+        if not last:
             continue
-        with open(path) as f:
-            last = json.loads(f.read().strip().splitlines()[-1])
         runs[name] = dict(iterations=last["iter"], tokens=last["tokens"],
                           minutes=last["time_s"] / 60, val_loss=last.get("val_loss"))
         lines.append(f"| {name} | {last['iter']} | {last['tokens']:,} | "
@@ -416,8 +429,9 @@ def report(args, rows):
 def main(argv):
     """Each stage saves its rows (rows_text.json, rows_passkey.json); the report reads the
     rows of every stage run so far, so stages may run in separate invocations."""
+    global COLLECT
     args = parse_args(argv)
-    t0 = time.time()
+    t0, COLLECT = time.time(), args.collect
     for stage, study in (("text", text_study), ("passkey", passkey_study)):
         if stage in args.stages:
             rows = study(args)
