@@ -15,12 +15,13 @@ exists, are skipped. Under --out (default bench/results/context, git-ignored): r
 checkpoints), logs/, evals/ (eval.py's JSON lines, one file per call), evalset/ (the held-out
 documents scored), data/ (the passkey corpora), results.json (every row and each training's
 wall minutes), tables.md and context.png (bits per byte against length; needs matplotlib).
-Time: about 100-150 minutes on a 2-core CPU shared with other jobs (one text seed; the base
-run, config/small.py's 300 iterations, takes most of half an hour of that under load).
+Time, measured on a 2-core CPU shared with other jobs (docs/CONTEXT.md): about 80 minutes
+for one text seed and one passkey seed run one after the other, of which the base run
+(config/small.py's 300 iterations) took 10 to 32 minutes depending on the load, the passkey
+model 18, each fine-tune 1-3, and the evaluations about 15.
 """
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -136,8 +137,9 @@ def lengths_of(block, multiples):
 def eval_set(out, data_dir, n_docs, doc_tokens):
     """n_docs validation documents of the corpus with more than doc_tokens tokens, evenly
     spaced among those that are not generated tables (codecs' mapping tables, whose repeats
-    reward long context more than code does), each cut to its first doc_tokens tokens (at the last newline before), decoded into a file
-    of its own in out/evalset/ (eval.py reads each file as one document)."""
+    reward long context more than code does), each cut to its first doc_tokens tokens (at
+    the last newline before) and decoded into a file of its own in out/evalset/ (eval.py
+    reads each file as one document)."""
     folder = os.path.join(out, "evalset")
     if os.path.exists(os.path.join(folder, "manifest.json")):
         return folder
@@ -396,9 +398,13 @@ def plot(rows, path):
         ax.set_ylabel("bits per byte" if key == "bits_per_byte" else "mean accuracy")
         ax.legend(fontsize=7)
     lim = [r["bits_per_byte"] for r in text if r["length"] <= 4 * 256]
+    base = [r["bits_per_byte"] for r in text if r["stage"] == "inference" and
+            r["method"] == "none" and r["length"] == 256]
     for ax in axes[:2]:
         if lim:  # plain RoPE at 8x would flatten the rest
             ax.set_ylim(min(lim) - 0.02, max(lim) + 0.15)
+        if base:  # the reference every method is measured against: the base run at 1x
+            ax.axhline(sum(base) / len(base), color="grey", ls=":", lw=1)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     print(f"wrote {path}")
