@@ -26,7 +26,6 @@ pytest.importorskip("safetensors", reason="export.py writes model.safetensors wi
 pytest.importorskip("tokenizers", reason="export.py builds tokenizer.json with tokenizers")
 transformers = pytest.importorskip("transformers", reason="the exported folder is checked by "
                                    "loading it with transformers")
-from lib import checkpoint  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 import sample as decoding  # noqa: E402
