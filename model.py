@@ -92,28 +92,22 @@ def init_parameter(name, p, n_layer, generator=None):
 
 # 2. RoPE. Channel i of a head pairs with channel i + d/2 (GPT-NeoX's "half split"; the paper
 # pairs adjacent channels: the same maths up to a fixed permutation) and turns by m * theta_i.
-def ntk_base(base, factor, head_dim):
-    """Static NTK-aware scaling (also for both exports): plain RoPE with base * s^(d/(d-2)),
-    which slows the lowest frequency s times and keeps the highest."""
+def ntk_base(base, factor, head_dim):  # NTK-aware (also the exports'): the lowest pair s x slower
     return base * factor ** (head_dim / (head_dim - 2))
 
 
 def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original=0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
-    from float64 on the CPU, also under device("meta") (a float32 angle is off by ~3e-2 rad at
-    m = 1e6). Context extension by `factor` s: linear divides positions by s; ntk grows the
-    base; yarn (transformers' rope_type "yarn") keeps theta_i for pairs i below the correction
-    dim c(32) and uses theta_i / s above c(1), a linear ramp between, c(r) = d ln(L / (2 pi r))
-    / (2 ln base), floor and ceil (truncate=True), L = `original`, and scales cos and sin by
-    0.1 ln s + 1 (so the scores move by its square)."""
+    from float64 (a float32 angle is off by 3e-2 rad at m = 1e6). Extension by `factor` s:
+    linear, ntk, or yarn as transformers computes it (`original`: the trained context; the
+    formula: docs/MODEL.md)."""
     if scaling == "ntk":
         base = ntk_base(base, factor, head_dim)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device="cpu").double() / head_dim)
-    gain = 1.0
-    if scaling == "yarn":
+    i = torch.arange(head_dim // 2, device="cpu").double()  # cpu: also under device("meta")
+    inv_freq, gain = base ** (-2 * i / head_dim), 1.0
+    if scaling == "yarn":  # c(r): the pair that turns r times over `original` positions
         dim = lambda r: head_dim * math.log(original / (2 * math.pi * r)) / (2 * math.log(base))
         low, high = max(math.floor(dim(32)), 0), min(math.ceil(dim(1)), head_dim - 1)
-        i = torch.arange(head_dim // 2, device="cpu").double()  # cpu: also under device("meta")
         ramp = ((i - low) / ((high - low) or 1e-3)).clamp(0, 1)  # 0: theta_i, 1: theta_i / s
         inv_freq, gain = inv_freq * (1 - ramp + ramp / factor), 0.1 * math.log(factor) + 1.0
     pos = pos.to(torch.float64).cpu() / (factor if scaling == "linear" else 1.0)
@@ -129,18 +123,12 @@ def apply_rope(x, cos, sin):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-# 3. Linear attention, RoFormer eq. 19, causal:
-#
+# 3. Linear attention, RoFormer eq. 19, causal (rotation in the numerator only):
 #   o_m = sum_{n<=m} (R_m phi(q_m))^T (R_n phi(k_n)) v_n / (sum_{n<=m} phi(q_m)^T phi(k_n) + eps)
-#
-# Rotation in the numerator only, so the weights need not be positive nor sum to one. The
-# guard (docs/MODEL.md): a channel pair adds (a1 b1 + a2 b2) cos + (a1 b2 - a2 b1) sin to the
-# numerator but only a1 b1 + a2 b2 >= 0 to the denominator, both at most (a1 + a2)(b1 + b2);
-# dividing by max(den, GUARD * sum of those bounds) keeps |out| <= max|v| / GUARD. The bound
-# folds channel i onto i + d/2 exactly as apply_rope pairs them: change which channels rotate
-# and the fold must change too (tests/test_contract.py's bound catches it). Chunked: a masked
-# product inside each chunk, across chunks the running S = sum R_n phi(k_n) v_n^T, z = sum
-# phi(k_n), one per chunk (never (N, d, d_v) cumulative sums).
+# The guard (docs/MODEL.md) divides by at least GUARD x a bound of the numerator, so |out| <=
+# max|v| / GUARD; the bound folds channel i onto i + d/2 as apply_rope pairs them (change the
+# pairing, change the fold: tests/test_contract.py's bound catches it). Chunked: a masked
+# product in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
 GUARD = 0.25
 
 
@@ -188,12 +176,10 @@ class KVCache:
         self.window = window
 
     def place(self, pos, start):
-        """Once per forward, before the layers: the new keys' slots, and whether to write them
-        before attending (kept for update), -> query x key distances and visibility. `start`:
-        an int, or pos in the static step."""
+        """Once per forward: the new keys' slots and whether update writes them before they are
+        attended to, -> query x key distances, visibility. `start`: int, or pos (static step)."""
         size, new = self.slot_pos.numel(), pos.numel()
-        # One token never evicts a key its query needs, nor a chunk that fits in free slots;
-        # other chunks attend to the old keys first (writing first was the classic bug).
+        # Write first only when nothing a query needs is evicted (one token, or free slots).
         self.write_first = new == 1 or start + new <= size
         kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
         self.slots = kept % size

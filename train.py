@@ -15,10 +15,10 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py; lib/run.py (the run's operations: ids, restarts, out_dir, dataset folder,
-log.jsonl, progress, signals, MFU), lib/checkpoint.py (model building, AdamW, checkpoint files),
-lib/common.py (config parser, device/dtype, one-line errors); when used, lib/parallel.py
-(torchrun: DDP / FSDP2) and lib/optim.py (Muon).
+Elsewhere: model.py; lib/run.py (the run's operations: ids, out_dir, dataset folder, log.jsonl,
+progress, signals, MFU), lib/checkpoint.py (model building, AdamW, ckpt.pt), lib/common.py
+(config parser, device/dtype, one-line errors); when used, lib/resume.py (starting from a
+checkpoint), lib/parallel.py (torchrun: DDP / FSDP2), lib/optim.py (Muon), lib/wandb_run.py.
 """
 import contextlib
 import dataclasses
@@ -136,7 +136,8 @@ if gradient_accumulation_steps % world:  # every rank sees it; rank 0 says it, o
                     f"{world * -(-gradient_accumulation_steps // world)}")
 master = rank == 0
 if wandb_log and master:
-    run.check_wandb()
+    from lib import wandb_run  # only when asked for
+    wandb_run.check()
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
 dev, dtype = common.pick_device(device, dtype, training=True)
@@ -172,23 +173,27 @@ config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded
 ddir, meta = run.open_dataset(dataset, data_dir, master, ddp)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
+run_id, restarts = run.run_identity()
+if init_from != "scratch" or restarts:  # starting from a checkpoint: lib/resume.py
+    from lib import resume
 source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
 if init_from not in ("scratch", "resume"):
-    source, source_args = run.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir)
+    source, source_args = resume.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir)
     config.update(source_args, init_from=os.path.abspath(init_from))
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
 run.prepare_out_dir(out_dir)
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
-run_id, restarts = run.run_identity()
-ckpt, init_from = run.resume_or_start(out_dir, "scratch" if source else init_from, run_id,
-                                      restarts, master, ddp)
+# init_from=resume, or a torchrun restart of this very run (never another run's checkpoint)
+ckpt = (resume.find(out_dir, init_from == "resume", run_id, restarts, master)
+        if init_from == "resume" or restarts else None)
 resumed = ckpt is not None
 if resumed:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
-    run.check_resume(ckpt, config, tokenizer, LOOP_KEYS, master)
+    resume.check(ckpt, config, tokenizer, LOOP_KEYS, master)
 else:
+    run.move_aside(out_dir, master, ddp)  # another run's checkpoint is never overwritten
     model_args = {k: config[k] for k in MODEL_KEYS}
 if model_args["vocab_size"] < meta["vocab_size"]:
     raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
@@ -246,20 +251,17 @@ scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 iter_num, best_val_loss, tokens_seen, wandb_id = 0, float("inf"), 0, None
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 if resumed:
-    checkpoint.load_state(ckpt, ckpt_path, raw_model, opt)  # from ckpt.pt or its DCP folder
-    if ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
+    resume.load_state(ckpt, ckpt_path, raw_model, opt, scaler)  # ckpt.pt, or its DCP folder
     iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
     # a resumed run may use another batch size: count the tokens, not iterations x batch
     tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
     wandb_id = ckpt.get("wandb_id")  # kept even by a run without wandb, for a later one
-    checkpoint.set_rng_state(ckpt["rng"])  # batches and dropout reseed every micro-step anyway
     if master:
         print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens, "
               f"run {str(ckpt.get('run_id'))[:8]}", flush=True)
     del ckpt
 elif source is not None:  # weights only: a fresh optimizer and schedule, iteration 0
-    checkpoint.load_weights(raw_model, source["model"], config["init_from"])
+    resume.load_weights(raw_model, source["model"], config["init_from"])
     del source
 start_iter = iter_num
 
@@ -332,7 +334,7 @@ progress = run.Progress(start_iter, max_iters, tokens_per_iter,
                         run.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
                         world, master)
 if master:
-    run.start_log(log_path, resumed, start_iter)
+    resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)

@@ -11,6 +11,7 @@ more; outputs are renamed into place at the end, meta.json last. Detail: docs/DA
 import collections
 import hashlib
 import os
+import shlex
 import time
 import zipfile
 
@@ -299,6 +300,25 @@ def resolve_out_dir(out_dir):
     if os.path.isabs(out_dir) or "/" in out_dir or os.sep in out_dir or out_dir in (".", ".."):
         return os.path.abspath(out_dir)
     return os.path.join(DATA_DIR, out_dir)
+
+
+def prepare_command(dataset, data_dir=""):
+    """The command that builds the folder train.py reads: data/<dataset>, or data_dir. A
+    dataset with no script of its own is the user's text, whose files only they can name."""
+    base = dataset.removesuffix("_char")
+    if os.path.exists(os.path.join(DATA_DIR, dataset, "prepare.py")):
+        cmd, writes = f"python data/{dataset}/prepare.py", dataset
+    elif base != dataset and os.path.exists(os.path.join(DATA_DIR, base, "prepare.py")):
+        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # writes data/<base>_char
+    else:
+        cmd, writes = "python data/text/prepare.py", "text"
+    if cmd.startswith("python data/text/"):
+        cmd += " --input PATH"  # required: the files to build it from
+    # prepare's --out_dir NAME is data/NAME next to train.py; a path with a slash is as given
+    out = data_dir if not data_dir or "/" in data_dir or os.sep in data_dir else f"./{data_dir}"
+    if (out or dataset) != writes:
+        cmd += f" --out_dir {shlex.quote(out or dataset)}"
+    return cmd
 
 
 OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which train.py "

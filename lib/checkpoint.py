@@ -1,13 +1,6 @@
 """
-Building the model, and every checkpoint read and write: train.py builds, saves and resumes
-here; sample.py's load_run (also eval.py's and export.py's) reads with `read`.
-
-out_dir/ckpt.pt holds `model` (the uncompiled module's full state dict), `model_args` (the
-RoFormerConfig fields), `config`, `tokenizer` (dataset, path, sha256), `iter_num`,
-`best_val_loss`, and what exact resume needs (RNG, tokens, run id); a one-process or DDP run
-also `optimizer`, while an FSDP run keeps model and optimizer in the DCP folder (lib/parallel.py)
-that ckpt.pt names (`sharded`). ckpt.pt is replaced last, atomically: it is the commit point, so
-a crash, a full disk or a power loss leaves the previous ckpt.pt and its folder intact.
+Building the model, and ckpt.pt: train.py builds and saves here, lib/resume.py and sample.py's
+load_run read with `read`. What ckpt.pt holds, and why it is the commit point: docs/TRAINING.md.
 """
 import contextlib
 import functools
@@ -140,53 +133,12 @@ def misfit(path, err):
     return f"the weights in {path} do not fit its model_args: {detail}"
 
 
-def load_state(ckpt, path, raw_model, optimizer):
-    """Load model weights and optimizer state of `ckpt` (read from `path`) into raw_model and
-    optimizer, however they are sharded now (lib/parallel.py reshards an FSDP run's DCP folder
-    to any number of ranks, FSDP or not). The optimizer keeps this command's hyperparameters."""
-    if "sharded" not in ckpt and "optimizer" not in ckpt:
-        raise UserError(f"{path} holds no optimizer state: it cannot be resumed")
-    # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
-    # eps, fused, ...); this command's settings are the ones that must run, so put them back.
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    try:
-        if "sharded" in ckpt or hasattr(raw_model, "reshard"):  # an FSDP run or model
-            from lib import parallel
-            parallel.load_state(ckpt, path, raw_model, optimizer)
-        else:
-            raw_model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-    except (RuntimeError, ValueError) as e:  # weights or optimizer state of another shape
-        raise UserError(misfit(path, e)) from None
-    for group, kept in zip(optimizer.param_groups, settings):
-        group.update(kept)
-
-
-def load_weights(raw_model, weights, path):
-    """init_from=RUN: RUN's full weights into this run's model (cut into shards under FSDP)."""
-    try:
-        if hasattr(raw_model, "reshard"):
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                                 set_model_state_dict)
-            set_model_state_dict(raw_model, weights, options=StateDictOptions(full_state_dict=True))
-        else:
-            raw_model.load_state_dict(weights)
-    except (RuntimeError, ValueError) as e:
-        raise UserError(misfit(path, e)) from None
-
-
 def rng_state():
     """The process's global RNG states (torch, numpy, python) in a form weights_only loads."""
     npst = np.random.get_state()
     return {"torch": torch.get_rng_state(),
             "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
             "python": list(random.getstate())}
-
-
-def set_rng_state(saved):
-    torch.set_rng_state(saved["torch"])
-    np.random.set_state(tuple(saved["numpy"]))
-    random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
 
 
 # ----------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ def full_weights(raw_model):
 
 
 def load_state(ckpt, path, raw_model, optimizer):
-    """lib/checkpoint.load_state's sharded half: ckpt.pt's full state cut into this rank's
+    """lib/resume.load_state's sharded half: ckpt.pt's full state cut into this rank's
     shards, or the DCP folder it names resharded to this run's ranks (FSDP or not)."""
     if "sharded" not in ckpt:
         return load_full_state(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])

@@ -1,12 +1,9 @@
-"""
-train.py's run operations: the dataset folder, out_dir, run ids and restarts, log.jsonl, the
-progress line, signals, and the peak FLOP/s that MFU is measured against.
-"""
+"""train.py's run operations: the dataset folder, out_dir, run ids, log.jsonl, the progress
+line, signals, and the peak FLOP/s that MFU is measured against."""
 import contextlib
 import json
 import os
 import platform
-import shlex
 import shutil
 import signal
 import subprocess
@@ -18,7 +15,6 @@ import torch
 from tqdm import tqdm
 
 from data.dataset import load_meta, open_split
-from lib.checkpoint import read
 from lib.common import REPO, UserError, file_sha256, make_out_dir
 
 
@@ -29,25 +25,6 @@ def barrier(ddp):
 
 # ----------------------------------------------------------------------------------------
 # the dataset
-
-def prepare_command(dataset, data_dir=""):
-    """The command that builds the folder train.py reads: data/<dataset>, or data_dir. A
-    dataset with no script of its own is the user's text, whose files only they can name."""
-    base = dataset.removesuffix("_char")
-    if os.path.exists(os.path.join(REPO, "data", dataset, "prepare.py")):
-        cmd, writes = f"python data/{dataset}/prepare.py", dataset
-    elif base != dataset and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
-        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # writes data/<base>_char
-    else:
-        cmd, writes = "python data/text/prepare.py", "text"
-    if cmd.startswith("python data/text/"):
-        cmd += " --input PATH"  # required: the files to build it from
-    # prepare's --out_dir NAME is data/NAME next to train.py; a path with a slash is as given
-    out = data_dir if not data_dir or "/" in data_dir or os.sep in data_dir else f"./{data_dir}"
-    if (out or dataset) != writes:
-        cmd += f" --out_dir {shlex.quote(out or dataset)}"
-    return cmd
-
 
 def open_dataset(dataset, data_dir, master, ddp):
     """(folder, meta.json) of the dataset, with both splits checked against meta.json. The
@@ -66,6 +43,7 @@ def open_dataset(dataset, data_dir, master, ddp):
         barrier(ddp)
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
+        from data.common import prepare_command  # only now: it imports the corpus tools
         raise UserError(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); "
                         f"build it with: {prepare_command(dataset, data_dir)}")
     meta = load_meta(ddir)
@@ -105,8 +83,8 @@ def run_identity():
 
 
 def prepare_out_dir(out_dir):
-    """Create out_dir and check now that the run can write there: an hour of training lost to
-    a typo'd path is worse than one line at the start."""
+    """Create out_dir and prove now that the run can write there, its log included: an hour of
+    training lost to a typo'd path is worse than one line at the start."""
     make_out_dir(out_dir)
     log_path = os.path.join(out_dir, "log.jsonl")
     try:
@@ -133,118 +111,16 @@ def cxx_compiler_found():
     return True
 
 
-def check_wandb():
-    """wandb_log=True: one line now, before out_dir exists, where wandb.init would fail later
-    (no package, no login). Offline and disabled modes need no login. Nothing here goes online
-    or prompts."""
-    try:
-        import wandb
-    except ImportError:
-        raise UserError("wandb_log=True needs the wandb package: pip install wandb")
-    try:
-        try:  # the mode from the environment and wandb's settings files (`wandb offline`)
-            from wandb.sdk.wandb_setup import singleton
-            mode = singleton().settings.mode
-        except (ImportError, AttributeError):  # an older wandb: the environment's
-            mode = os.environ.get("WANDB_MODE", "online")
-        if mode in ("offline", "dryrun", "disabled"):
-            return
-        try:
-            logged_in = wandb.login(prompt=False, verify=False)
-        except TypeError:  # a wandb before login(prompt=...)
-            logged_in = wandb.api.api_key is not None
-    except (ValueError, wandb.errors.Error) as e:  # a malformed key or WANDB_MODE
-        raise UserError(f"wandb_log=True: {str(e).splitlines()[0]}")
-    if not logged_in:
-        raise UserError("wandb_log=True but wandb has no login: run `wandb login` or set "
-                        "WANDB_API_KEY, or log locally with WANDB_MODE=offline")
-
-
-def resume_or_start(out_dir, init_from, run_id, restarts, master, ddp):
-    """(checkpoint to resume from or None, init_from as it now is). A torchrun restart resumes
-    the last checkpoint only if this run wrote it; a new run moves another run's aside."""
-    ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    ckpt = None
-    if init_from == "resume":
-        if not os.path.exists(ckpt_path):
-            raise UserError(f"init_from=resume but {ckpt_path} does not exist")
-        ckpt = read(ckpt_path, mmap=True)  # every rank reads the metadata; weights paged in
-    elif restarts > 0 and os.path.exists(ckpt_path):
-        ckpt = read(ckpt_path, mmap=True)
-        if ckpt.get("run_id") == run_id:
-            if master:
-                print(f"restart {restarts}: resuming from {ckpt_path}", flush=True)
-            init_from = "resume"
-        else:
-            ckpt = None
-    if init_from == "scratch" and os.path.exists(ckpt_path):
-        barrier(ddp)  # every rank has decided before the file moves
-        if master:
-            move_aside(out_dir)
-    return ckpt, init_from
-
-
-# What a run continued from another (init_from=RUN) may change: its context, and dropout.
-CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor", "rope_original", "dropout",
-                "linear_chunk")
-
-
-def continue_from(source, config, model_keys, tokenizer, out_dir):
-    """init_from=RUN (a run folder or a checkpoint file): (its checkpoint, the new run's model
-    args) after the checks a refused start must make before out_dir is touched: RUN's tokenizer
-    (sha256), every model-shape key equal to RUN's, another out_dir. The context may change;
-    RUN's original context is kept (or a second extension would compound the first)."""
-    path = os.path.join(source, "ckpt.pt") if os.path.isdir(source) else source
-    if not os.path.isfile(path):
-        raise UserError(f"init_from={source}: no such checkpoint file or run folder with ckpt.pt")
-    if os.path.abspath(os.path.dirname(path)) == os.path.abspath(out_dir):
-        raise UserError(f"init_from={source} is out_dir itself: a new run needs its own out_dir "
-                        f"(init_from=resume continues the same run)")
-    ckpt = read(path, mmap=True)
-    theirs = ckpt["model_args"]
-    if (ckpt.get("tokenizer") or {}).get("sha256") != tokenizer["sha256"]:
-        raise UserError(f"init_from={source} was trained with another tokenizer than "
-                        f"{tokenizer['path']}: prepare this corpus with --tokenizer={source}")
-    args = {k: config[k] for k in model_keys}
-    if args["vocab_size"] == 0:  # not given: RUN's (perhaps padded past the tokenizer's)
-        args["vocab_size"] = theirs["vocab_size"]
-    args["rope_original"] = args["rope_original"] or theirs.get("rope_original") or \
-        theirs["block_size"]
-    for k in model_keys:
-        if k not in CONTEXT_KEYS and args[k] != theirs.get(k, args[k]):
-            raise UserError(f"{k}={args[k]!r} but init_from={source} has {k}={theirs[k]!r}: the "
-                            f"model's shape must be RUN's (pass its config, or --{k}={theirs[k]})")
-    if args["pos_encoding"] == "learned" and args["block_size"] != theirs["block_size"]:
-        raise UserError(f"pos_encoding='learned' has one row per position: block_size cannot "
-                        f"change from init_from's {theirs['block_size']}")
-    return ckpt, args
-
-
-def check_resume(ckpt, config, tokenizer, loop_keys, master):
-    """Resume only with the checkpoint's tokenizer; note (rank 0) the keys this command
-    changes. Model keys always come from the checkpoint; `loop_keys` only say how long and how
-    often, so changing them is expected."""
-    model_args = ckpt["model_args"]
-    differ = [k for k in config if k not in loop_keys and k in ckpt["config"]
-              and ckpt["config"][k] != config[k]
-              and not (k in model_args and model_args[k] == config[k])]
-    if master and differ:
-        print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
-              f"(model keys are taken from the checkpoint; the rest from this command)")
-    saved_optimizer = ckpt["config"].get("optimizer", "adamw")  # older runs: AdamW
-    if saved_optimizer != config["optimizer"]:
-        raise UserError(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume "
-                        f"with --optimizer={saved_optimizer}")
-    if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
-        raise UserError(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
-                        f"{tokenizer['path']}; resume with the same dataset")
-
-
-def move_aside(out_dir):
+def move_aside(out_dir, master, ddp):
     """A new run never overwrites another run's work, and a restart must not mistake it for its
-    own: move the old checkpoint and its log aside, stamped with the checkpoint's time."""
-    mtime = os.path.getmtime(os.path.join(out_dir, "ckpt.pt"))
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(mtime))
+    own: the old checkpoint and its log move aside, stamped with the checkpoint's time."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        return
+    barrier(ddp)  # every rank has decided before the file moves
+    if not master:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(path)))
     for name, ext in (("ckpt", ".pt"), ("log", ".jsonl")):
         old = os.path.join(out_dir, name + ext)
         if os.path.exists(old):
@@ -253,35 +129,13 @@ def move_aside(out_dir):
           f"ckpt.{stamp}.pt (and its log to log.{stamp}.jsonl)", flush=True)
 
 
-def start_log(log_path, resumed, start_iter):
-    """A new run starts a new log. A resumed one drops the evaluations logged after its
-    checkpoint (a crash between the two): it logs them again. The log is not the run's state:
-    a line a crash cut short is dropped with a warning, and a log that cannot be written costs
-    a warning, never the run."""
+def new_log(log_path):
+    """A new run starts an empty log.jsonl (one that crashed before its first checkpoint may
+    have left one). The log is not the run's state: failing to write it costs a warning."""
     try:
-        if not resumed:
-            open(log_path, "w").close()
-            return
-        if not os.path.exists(log_path):
-            return
-        kept, unreadable = [], 0
-        with open(log_path, errors="replace") as f:
-            for line in f:
-                try:
-                    it = json.loads(line)["iter"]
-                except (ValueError, TypeError, KeyError):
-                    unreadable += bool(line.strip())
-                    continue
-                if it <= start_iter:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        if unreadable:
-            print(f"warning: {log_path}: dropped {unreadable} unreadable line(s) (a write cut "
-                  f"short by a crash?)", flush=True)
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(log_path + ".tmp", log_path)
+        open(log_path, "w").close()
     except OSError as e:
-        print(f"warning: cannot rewrite {log_path} ({e.strerror}); training goes on", flush=True)
+        print(f"warning: cannot write {log_path} ({e.strerror}); training goes on", flush=True)
 
 
 def append_log(log_path, record, warn=print):

@@ -1,0 +1,159 @@
+"""
+Starting from a checkpoint, which a fresh run never does (train.py imports this only then):
+init_from=resume, or a torchrun restart of this run, continues it exactly (weights, optimizer,
+counters, RNG, log.jsonl); init_from=RUN starts a new run from RUN's weights alone, typically
+at a longer context.
+"""
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+from lib.checkpoint import misfit, read
+from lib.common import UserError
+
+
+def find(out_dir, asked, run_id, restarts, master):
+    """The checkpoint to resume, or None: out_dir's when `asked` (init_from=resume); after a
+    torchrun restart, out_dir's only if this run (`run_id`) wrote it."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if asked and not os.path.exists(path):
+        raise UserError(f"init_from=resume but {path} does not exist")
+    if not os.path.exists(path):
+        return None
+    ckpt = read(path, mmap=True)  # every rank reads the metadata; weights paged in when used
+    if asked:
+        return ckpt
+    if ckpt.get("run_id") != run_id:
+        return None
+    if master:
+        print(f"restart {restarts}: resuming from {path}", flush=True)
+    return ckpt
+
+
+def check(ckpt, config, tokenizer, loop_keys, master):
+    """Resume only with the checkpoint's tokenizer and optimizer; note (rank 0) the keys this
+    command changes. Model keys always come from the checkpoint; `loop_keys` only say how long
+    and how often, so changing them is expected."""
+    model_args = ckpt["model_args"]
+    differ = [k for k in config if k not in loop_keys and k in ckpt["config"]
+              and ckpt["config"][k] != config[k]
+              and not (k in model_args and model_args[k] == config[k])]
+    if master and differ:
+        print(f"note: resuming with {', '.join(differ)} changed from the checkpoint's run "
+              f"(model keys are taken from the checkpoint; the rest from this command)")
+    saved_optimizer = ckpt["config"].get("optimizer", "adamw")  # older runs: AdamW
+    if saved_optimizer != config["optimizer"]:
+        raise UserError(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume "
+                        f"with --optimizer={saved_optimizer}")
+    if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
+        raise UserError(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
+                        f"{tokenizer['path']}; resume with the same dataset")
+
+
+def load_state(ckpt, path, raw_model, optimizer, scaler):
+    """Weights, optimizer and loss-scaler state of `ckpt` (read from `path`), however they are
+    sharded now (lib/parallel.py reshards an FSDP run's DCP folder to any number of ranks, FSDP
+    or not), and the global RNGs. The optimizer keeps this command's hyperparameters."""
+    if "sharded" not in ckpt and "optimizer" not in ckpt:
+        raise UserError(f"{path} holds no optimizer state: it cannot be resumed")
+    # load_state_dict also brings back the old run's hyperparameters (weight_decay, betas,
+    # eps, fused, ...); this command's settings are the ones that must run, so put them back.
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        if "sharded" in ckpt or hasattr(raw_model, "reshard"):  # an FSDP run or model
+            from lib import parallel
+            parallel.load_state(ckpt, path, raw_model, optimizer)
+        else:
+            raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError) as e:  # weights or optimizer state of another shape
+        raise UserError(misfit(path, e)) from None
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
+    if ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    saved = ckpt["rng"]  # batches and dropout reseed every micro-step anyway
+    torch.set_rng_state(saved["torch"])
+    np.random.set_state(tuple(saved["numpy"]))
+    random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
+
+
+def repair_log(log_path, start_iter):
+    """Drop the evaluations logged after the checkpoint (a crash between the two; they are
+    logged again) and lines a crash cut short (with a warning). The log is not the run's
+    state: one that cannot be rewritten costs a warning, never the run."""
+    try:
+        if not os.path.exists(log_path):
+            return
+        kept, unreadable = [], 0
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                try:
+                    it = json.loads(line)["iter"]
+                except (ValueError, TypeError, KeyError):
+                    unreadable += bool(line.strip())
+                    continue
+                if it <= start_iter:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if unreadable:
+            print(f"warning: {log_path}: dropped {unreadable} unreadable line(s) (a write cut "
+                  f"short by a crash?)", flush=True)
+        with open(log_path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(log_path + ".tmp", log_path)
+    except OSError as e:
+        print(f"warning: cannot rewrite {log_path} ({e.strerror}); training goes on", flush=True)
+
+
+# ----------------------------------------------------------------------------------------
+# init_from=RUN: a new run (iteration 0, a fresh optimizer and schedule) from RUN's weights
+
+# What such a run may change: its context, and what changes no weight.
+CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor", "rope_original", "dropout",
+                "linear_chunk")
+
+
+def continue_from(source, config, model_keys, tokenizer, out_dir):
+    """(RUN's checkpoint, the new run's model args) after the checks a refused start must make
+    before out_dir is touched: RUN's tokenizer (sha256), every model-shape key equal to RUN's,
+    another out_dir. RUN's original context is kept (a second extension must not compound)."""
+    path = os.path.join(source, "ckpt.pt") if os.path.isdir(source) else source
+    if not os.path.isfile(path):
+        raise UserError(f"init_from={source}: no such checkpoint file or run folder with ckpt.pt")
+    if os.path.abspath(os.path.dirname(path)) == os.path.abspath(out_dir):
+        raise UserError(f"init_from={source} is out_dir itself: a new run needs its own out_dir "
+                        f"(init_from=resume continues the same run)")
+    ckpt = read(path, mmap=True)
+    theirs = ckpt["model_args"]
+    if (ckpt.get("tokenizer") or {}).get("sha256") != tokenizer["sha256"]:
+        raise UserError(f"init_from={source} was trained with another tokenizer than "
+                        f"{tokenizer['path']}: prepare this corpus with --tokenizer={source}")
+    args = {k: config[k] for k in model_keys}
+    if args["vocab_size"] == 0:  # not given: RUN's (perhaps padded past the tokenizer's)
+        args["vocab_size"] = theirs["vocab_size"]
+    args["rope_original"] = args["rope_original"] or theirs.get("rope_original") or \
+        theirs["block_size"]
+    for k in model_keys:
+        if k not in CONTEXT_KEYS and args[k] != theirs.get(k, args[k]):
+            raise UserError(f"{k}={args[k]!r} but init_from={source} has {k}={theirs[k]!r}: the "
+                            f"model's shape must be RUN's (pass its config, or --{k}={theirs[k]})")
+    if args["pos_encoding"] == "learned" and args["block_size"] != theirs["block_size"]:
+        raise UserError(f"pos_encoding='learned' has one row per position: block_size cannot "
+                        f"change from init_from's {theirs['block_size']}")
+    return ckpt, args
+
+
+def load_weights(raw_model, weights, path):
+    """RUN's full weights into this run's model (cut into shards under FSDP)."""
+    try:
+        if hasattr(raw_model, "reshard"):
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_model_state_dict)
+            set_model_state_dict(raw_model, weights, options=StateDictOptions(full_state_dict=True))
+        else:
+            raw_model.load_state_dict(weights)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(misfit(path, e)) from None
