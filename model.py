@@ -368,4 +368,3 @@ class RoFormer(nn.Module):
         """Parameter count; non_embedding drops the position table (wte is also the head)."""
         n = sum(p.numel() for p in self.parameters())
         return n - (self.wpe.weight.numel() if non_embedding and self.wpe is not None else 0)
-

@@ -122,18 +122,10 @@ ddp = int(os.environ.get("RANK", -1)) != -1
 if fsdp and not ddp:
     raise UserError("fsdp=True shards the model over processes: run under torchrun "
                     "(--nproc_per_node=1 works too)")
-rank, local_rank, world = ((int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-                           if ddp else (0, 0, 1))
+rank, local_rank, world = 0, 0, 1
 if ddp:
     from lib import parallel  # only under torchrun: one process needs no torch.distributed
-    parallel.stop_with_launcher()  # a kill -9 of torchrun stops its workers too
-if gradient_accumulation_steps % world:  # every rank sees it; rank 0 says it, once
-    if rank:
-        sys.exit(1)
-    raise UserError(f"gradient_accumulation_steps ({gradient_accumulation_steps}) counts the "
-                    f"micro-steps of all {world} processes, so it must be a multiple of {world}: "
-                    f"pass e.g. --gradient_accumulation_steps="
-                    f"{world * -(-gradient_accumulation_steps // world)}")
+    rank, local_rank, world = parallel.ranks(gradient_accumulation_steps)
 master = rank == 0
 if wandb_log and master:
     from lib import wandb_run  # only when asked for
@@ -141,9 +133,6 @@ if wandb_log and master:
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
 dev, dtype = common.pick_device(device, dtype, training=True)
-if ddp and dev.type == "cuda" and dev.index is None:
-    dev = torch.device("cuda", local_rank)
-device, device_type = str(dev), dev.type
 if fsdp and dtype == "float16":
     raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
 if optimizer == "muon" and dtype == "float16":  # what auto picks on GPUs without bf16
@@ -151,12 +140,13 @@ if optimizer == "muon" and dtype == "float16":  # what auto picks on GPUs withou
         raise UserError("optimizer=muon does not work with dtype=float16 (the GradScaler steps "
                         "one torch optimizer, not Muon paired with AdamW): use bfloat16 or float32")
     dtype = "float32"
+if ddp:  # one GPU per process: cuda:LOCAL_RANK
+    dev = parallel.init_process_group(dev, rank, local_rank, world)
+device, device_type = str(dev), dev.type
 if device_type == "cuda":
     torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
     torch.backends.cudnn.allow_tf32 = True
-if ddp:
-    parallel.init_process_group(device_type, rank, world)
 ptdtype = getattr(torch, dtype)
 # With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
 autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
@@ -408,11 +398,4 @@ progress.close(iter_num)
 if wandb_log and master:
     wandb.finish()
 if ddp:
-    torch.distributed.barrier()  # nobody leaves before rank 0 has saved
-    torch.distributed.destroy_process_group()
-    # Everything is written, so leave without the interpreter's finalization: tearing down
-    # gloo's threads there (the wrapper still holds the group) sometimes aborts (SIGABRT),
-    # and torchrun would report a finished run as failed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    parallel.finish()  # all ranks wait for rank 0's save, then exit

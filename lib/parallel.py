@@ -31,15 +31,48 @@ from lib.checkpoint import build_model as build, commit
 from lib.common import UserError, fsync
 
 
-def init_process_group(device_type, rank, world):
-    """Join torchrun's process group (nccl on GPUs, gloo on CPUs). The rendezvous is done by
+def ranks(gradient_accumulation_steps):
+    """(rank, local_rank, world) from torchrun's environment, once this worker is tied to its
+    launcher (stop_with_launcher) and the accumulation is checked: it counts the micro-steps of
+    all ranks (every rank sees a mistake; rank 0 says it, once)."""
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    stop_with_launcher()
+    steps = gradient_accumulation_steps
+    if steps % world:
+        if rank:
+            sys.exit(1)
+        raise UserError(f"gradient_accumulation_steps ({steps}) counts the micro-steps of all "
+                        f"{world} processes, so it must be a multiple of {world}: pass e.g. "
+                        f"--gradient_accumulation_steps={world * -(-steps // world)}")
+    return rank, local_rank, world
+
+
+def init_process_group(dev, rank, local_rank, world):
+    """Join torchrun's process group (nccl on GPUs, gloo on CPUs), on one GPU per process
+    (cuda:LOCAL_RANK unless `dev` names one); returns the device. The rendezvous is done by
     hand to prefix the store's keys with the restart count: after a `torchrun --max-restarts`
     restart, the agent's store still holds the dead workers' addresses, and gloo would
     sometimes connect to them (refused, or hung) instead of the new ones."""
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank) if dev.index is None else dev
+        torch.cuda.set_device(dev)
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store,
+    dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", store=store,
                             rank=rank, world_size=world)
+    return dev
+
+
+def finish():
+    """The end of a torchrun worker: nobody leaves before rank 0 has saved. Everything is
+    written then, so leave without the interpreter's finalization: tearing down gloo's threads
+    there (the wrapper still holds the group) sometimes aborts (SIGABRT), and torchrun would
+    report a finished run as failed."""
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def stop_with_launcher():

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from data.dataset import load_meta, open_split
-from lib.common import REPO, UserError, file_sha256, make_out_dir
+from lib.common import REPO, UserError, atomic_write, file_sha256, make_out_dir
 
 
 def barrier(ddp):
@@ -215,33 +216,26 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
-def cached_cpu_peak(dtype):
-    """time_matmul's rate, timed once per CPU model, thread count, dtype and torch version and
-    kept in ~/.cache/roformer/cpu_peak.json (delete it to time again): a short run should not
-    pay for the probe every time."""
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                         "roformer", "cpu_peak.json")
-    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
-    table = None
-    with contextlib.suppress(OSError, ValueError), open(cache) as f:
-        table = json.load(f)
-    table = table if isinstance(table, dict) else {}
-    if not isinstance(table.get(key), float):
-        table[key] = time_matmul(dtype)
-        with contextlib.suppress(OSError):  # a read-only home: time it again next run
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            with open(f"{cache}.{os.getpid()}.tmp", "w") as f:
-                json.dump(table, f, indent=1)
-            os.replace(f"{cache}.{os.getpid()}.tmp", cache)
-    return table[key]
-
-
 def cpu_peak_flops(dtype, ddp):
-    """One process's CPU peak in `dtype`. Under DDP rank 0 times it alone and shares it: ranks
-    timing at once on shared cores would each measure a fraction of the peak."""
+    """One process's CPU peak in `dtype`: time_matmul's rate, timed once per CPU model, thread
+    count, dtype and torch version and kept in ~/.cache/roformer/cpu_peak.json (delete it to
+    time again), so a short run does not pay for the probe. Under DDP rank 0 times it alone and
+    shares it: ranks timing at once on shared cores would each measure a fraction of it."""
     peak = torch.zeros((), dtype=torch.float64)
     if not ddp or torch.distributed.get_rank() == 0:
-        peak.fill_(cached_cpu_peak(dtype))
+        cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                             "roformer", "cpu_peak.json")
+        key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch " \
+              f"{torch.__version__}"
+        table = None
+        with contextlib.suppress(OSError, ValueError), open(cache) as f:
+            table = json.load(f)
+        table = table if isinstance(table, dict) else {}
+        if not isinstance(table.get(key), float):
+            table[key] = time_matmul(dtype)
+            with contextlib.suppress(OSError):  # a read-only home: time it again next run
+                atomic_write(cache, lambda tmp: Path(tmp).write_text(json.dumps(table)))
+        peak.fill_(table[key])
     if ddp:
         torch.distributed.broadcast(peak, src=0)
     return peak.item()
