@@ -1,10 +1,8 @@
 """
 Measure a trained run on text: loss in nats per token, perplexity, and bits per byte.
 
-    python eval.py --out_dir=out-small --input=notes.txt
-    python eval.py --out_dir=out-small --input=docs/,README.md --json
+    python eval.py --out_dir=out-small --input=notes.txt             # or docs/,README.md --json
     python eval.py --out_dir=out-small --split=val
-    python eval.py --out_dir=out-small --input=long.txt --rope_scaling=ntk --rope_factor=4
     python eval.py --out_dir=out-small --input=long.txt --lengths=256,1024,4096 --window_mode=local
     python eval.py --out_dir=out-small --passkey --lengths=256,1024 --depths=0,0.5,1
 
@@ -22,16 +20,15 @@ Bytes are the UTF-8 bytes of the documents scored, exactly the text their tokens
 blank runs between paragraphs and whitespace-only files add neither tokens nor bytes, so
 padding a text cannot move bits per byte (docs/RESULTS.md says why).
 
-Text longer than the window is scored with a sliding window: windows of
-block_size tokens (original context * rope_factor when scaled) start every `stride` tokens;
-the first scores all its tokens, each later one only the tokens past the previous window, so
-each of those has at least window - stride tokens of context. --split=val scores the run's own
-val.bin (its end-of-document tokens included: loss but no bytes).
-
---lengths=L1,L2,...: a row per length L, the same tokens scored with windows of L tokens (stride
-default L/2), so only the context differs (L past the trained window: extrapolation).
---window_mode=local: each token sees only its last context_window tokens. --passkey: greedy
-recall of a 5-digit key put at each --depths fraction of prompts of about L tokens.
+Text longer than the window (block_size; original context * rope_factor when scaled, e.g.
+--rope_scaling=ntk --rope_factor=4) is scored by windows that start every `stride` tokens,
+each scoring only the tokens past the previous one (so each has at least window - stride
+tokens of context). --split=val scores the run's own val.bin (its end-of-document tokens
+included: loss but no bytes). --lengths=L1,L2,...: a row per length L, the same tokens scored
+with windows of L tokens (stride default L/2), so only the context differs (L past the trained
+window: extrapolation). --window_mode=local: each token sees only its last context_window
+tokens. --passkey: greedy recall of a 5-digit key put at each --depths fraction of prompts of
+about L tokens.
 """
 import json as jsonlib
 import math

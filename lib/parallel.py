@@ -1,11 +1,9 @@
 """
-How train.py spreads a model over processes under torchrun (imported only there): DDP or FSDP2
-applied from outside to a model built on the meta device, the gradient sync and clipping, and
-an FSDP run's checkpoint (every rank writes its shards to a DCP folder that ckpt.pt names).
-
-DDP (the default): every rank holds the whole model, its gradients and the AdamW state, and
-all-reduces the gradients. FSDP2 (fsdp=True): every rank holds 1/N of each; a block's weights
-are all-gathered just before it runs and freed after, its gradients reduce-scattered.
+How train.py spreads a model over processes under torchrun (imported only there): DDP (every
+rank holds everything and all-reduces the gradients) or FSDP2 (fsdp=True: every rank holds 1/N
+of the weights, gradients and AdamW state; docs/TRAINING.md) applied from outside to a model
+built on the meta device, the gradient sync and clipping, and an FSDP run's checkpoint (every
+rank writes its shards to a DCP folder that ckpt.pt names).
 """
 import contextlib
 import ctypes
@@ -76,11 +74,9 @@ def finish():
 
 
 def stop_with_launcher():
-    """Under torchrun, ask Linux to SIGTERM this worker when its launcher dies. torchrun starts
-    each worker in a session of its own, so a kill -9 of torchrun (or of its process group) used
-    to leave the workers training on their own. The SIGTERM handler then finishes the step,
-    saves and exits, as for any SIGTERM. The signal comes when the thread that started the
-    worker ends; torchrun starts its workers from its main thread. Elsewhere: nothing."""
+    """Ask Linux to SIGTERM this worker when its launcher dies (torchrun starts each worker in a
+    session of its own, so a kill -9 of torchrun left them training); the handler then saves
+    and exits. Linux only: the signal comes when torchrun's main thread ends."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

@@ -1,9 +1,5 @@
-"""
-Starting from a checkpoint, which a fresh run never does (train.py imports this only then):
-init_from=resume, or a torchrun restart of this run, continues it exactly (weights, optimizer,
-counters, RNG, log.jsonl); init_from=RUN starts a new run from RUN's weights alone, typically
-at a longer context.
-"""
+"""Starting from a checkpoint (train.py imports this only then): init_from=resume, or a torchrun
+restart of this run, continues it exactly; init_from=RUN starts a new run from RUN's weights."""
 import json
 import os
 import random
