@@ -395,9 +395,9 @@ class TargetRun:
     def train(self, data, n):
         t0 = time.perf_counter()
         for _ in range(n):
-            lr = recipe_lr(self.it, args["target_iters"])
+            frac = recipe_lr(self.it, args["target_iters"]) / LR  # of each group's peak rate
             for g in self.opt.param_groups:
-                g["lr"] = lr * g.get("lr_scale", 1.0)
+                g["lr"] = frac * g.get("base_lr", LR)
             start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
             xy = torch.from_numpy(data[start[:, None] + np.arange(RECIPE["block_size"] + 1)])
             loss = self.model(xy[:, :-1], xy[:, 1:])[1]
