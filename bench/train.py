@@ -5,7 +5,7 @@ are comparable (timings on a shared machine are noisy; read the ratios).
 
     python bench/train.py                    # CPU, config/small.py's shape
     python bench/train.py --steps=20 --compile=False
-    python bench/train.py --overhead=True    # train.py's step vs a plain nanoGPT-like step
+    python bench/train.py --overhead=True    # train.py's step vs a nanoGPT-equivalent one
     python bench/train.py --whole=True       # the whole 300-iteration command, both ways
     python bench/train.py --profile=True     # torch.profiler: what train.py adds per step
     python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
@@ -17,36 +17,37 @@ the numbers stay comparable with the CPU ones).
 
 The last three run at nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12,
 vocab 65, float32, eager, AdamW, clip 1.0) on random tokens, at each of --threads torch
-threads. The reference is a nanoGPT-equivalent written here (PlainGPT, plain_steps): learned
-positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head, torch's
-AdamW with weight decay on the matrices, and a plain loop (lr write, a batch drawn from a fresh
-memmap, forward, backward, clip, step, zero_grad, loss.item()).
+threads. The reference, the nanoGPT-equivalent step, is our RoFormer with learned positions
+(recipe_model("learned"): nanoGPT's architecture, learned positions, pre-LayerNorm blocks
+without biases, causal SDPA, GELU MLP, tied head) under torch's AdamW as nanoGPT builds it on
+CPU (weight decay on the matrices, plain_optimizer) in a plain loop (plain_steps: lr write, a
+batch drawn from a fresh memmap, forward, backward, clip, step, zero_grad, loss.item()).
 --overhead=True: per-iteration time, one iteration being the time between two
-optimizer.zero_grad calls, of (1) that plain step, (2) the same plain loop on our RoFormer with
-learned positions, (3) on our RoFormer with RoPE, (4) train.py itself, run in this process, so
-everything it does per step (batch, logging, checks) counts. --rounds rounds, each runs all
-four (the order rotates every round), --steps steps each with the first --warmup dropped;
-medians and per-round ratios are reported. (2)/(1): the model's code apart from positions,
-(3)/(2): RoPE, (4)/(3): train.py's loop.
+optimizer.zero_grad calls, of (1) that nanoGPT-equivalent step, (2) the same plain loop on our
+RoFormer with RoPE, (3) train.py itself (RoPE), run in this process, so everything it does per
+step (batch, logging, checks) counts. --rounds rounds, each runs all three (the order rotates
+every round), --steps steps each with the first --warmup dropped; medians and per-round ratios
+to (1) are reported. (2)/(1): RoPE, (3)/(2): train.py's loop.
 --whole=True: wall time of `python train.py` for --iters iterations (evaluating at 0,
 --eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
-them) against `python bench/train.py --plain_run=DIR`: PlainGPT's plain loop with the same
-evaluations and checkpoint writes; alternated over --rounds rounds.
+them) against `python bench/train.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
+the same evaluations and checkpoint writes; alternated over --rounds rounds.
 --profile=True: torch.profiler over --steps iterations of train.py and of the plain loop on
 our RoFormer (RoPE): per-iteration CPU time by op for each, and the ops where they differ.
 --target=True: quality per unit of time. nanoGPT's shakespeare_char CPU recipe (the shape
 above, dropout 0, --target_iters=2000 iterations, lr 1e-3 warmed up over 100 and cosine-decayed
 to 1e-4 at 2000, betas 0.9/0.99, weight decay 0.1, clip 1.0) on a character-level text
 (--text: a file, or a folder's .txt files in name order, cut to --text_chars characters; its
-first 90% trains, the last 10% is held out, as nanoGPT splits). PlainGPT with AdamW, and our
-RoFormer (RoPE) with Muon (--muon_lr; AdamW at the recipe's rate for the rest) and with AdamW,
-from the same seed and the same batches. They alternate in chunks of --target_eval iterations
-(so the shared machine's load hits all alike), each chunk timed, then scored on the same
---target_batches held-out batches. The target is PlainGPT's final held-out loss; the table
-gives the first scored iteration at which each run reaches it, the training time (scoring
-excluded) taken to get there, PlainGPT's time over the same iterations, and the time to the
-target as a fraction of PlainGPT's whole run: (ours / PlainGPT's, same iterations, same load)
-x iteration / --target_iters, so a load that drifts during the run does not bias it.
+first 90% trains, the last 10% is held out, as nanoGPT splits). The nanoGPT-equivalent model
+with AdamW ("nanoGPT" below), and our RoFormer (RoPE) with Muon (--muon_lr; AdamW at the
+recipe's rate for the rest) and with AdamW, from the same seed and the same batches. They
+alternate in chunks of --target_eval iterations (so the shared machine's load hits all alike),
+each chunk timed, then scored on the same --target_batches held-out batches. The target is
+nanoGPT's final held-out loss; the table gives the first scored iteration at which each run
+reaches it, the training time (scoring excluded) taken to get there, nanoGPT's time over the
+same iterations, and the time to the target as a fraction of nanoGPT's whole run: (ours /
+nanoGPT's, same iterations, same load) x iteration / --target_iters, so a load that drifts
+during the run does not bias it.
 """
 import contextlib
 import json
@@ -62,8 +63,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.common import UserError, configure  # noqa: E402
@@ -86,54 +85,17 @@ RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, voc
 LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.99)
 
 
-class PlainBlock(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd, bias=False), nn.LayerNorm(n_embd, bias=False)
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
-        self.attn_proj = nn.Linear(n_embd, n_embd, bias=False)
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=False)
-        self.mlp_proj = nn.Linear(4 * n_embd, n_embd, bias=False)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        heads = self.c_attn(self.ln_1(x)).view(B, T, 3, self.n_head, C // self.n_head)
-        q, k, v = heads.permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+def recipe_model(pos, vocab_size=RECIPE["vocab_size"]):
+    """nanoGPT's CPU shape as our RoFormer. pos="learned" is the nanoGPT-equivalent model:
+    learned positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head."""
+    shape = dict(RECIPE, vocab_size=vocab_size)
+    del shape["batch_size"]
+    return RoFormer(RoFormerConfig(pos_encoding=pos, bias=False, dropout=0.0, **shape))
 
 
-class PlainGPT(nn.Module):
-    """The nanoGPT-equivalent reference: learned absolute positions, tied head."""
-
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(PlainBlock(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd, bias=False)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / (2 * n_layer) ** 0.5 if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, 0.0, std)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def plain_model(kind):
+def plain_model(pos):
     torch.manual_seed(1337)
-    shape = {k: v for k, v in RECIPE.items() if k != "batch_size"}
-    if kind == "plain":
-        return PlainGPT(**shape)
-    return RoFormer(RoFormerConfig(pos_encoding=kind, **shape))
+    return recipe_model(pos)
 
 
 def plain_optimizer(model):
@@ -220,11 +182,10 @@ def make_random_data(d):
                    "val_tokens": 20_000}, f)
 
 
-STEP_KINDS = ["plain", "learned", "rope", "train.py"]
-STEP_NAMES = {"plain": "(1) nanoGPT-equivalent plain step (PlainGPT, learned positions)",
-              "learned": "(2) plain loop, our RoFormer, learned positions",
-              "rope": "(3) plain loop, our RoFormer, RoPE",
-              "train.py": "(4) train.py's whole iteration (RoPE)"}
+STEP_KINDS = ["learned", "rope", "train.py"]
+STEP_NAMES = {"learned": "(1) nanoGPT-equivalent plain step (our RoFormer, learned positions)",
+              "rope": "(2) plain loop, our RoFormer, RoPE",
+              "train.py": "(3) train.py's whole iteration (RoPE)"}
 
 
 def overhead_round(kind, stamps, n, tmp, r):
@@ -247,26 +208,27 @@ def overhead(threads):
     with tempfile.TemporaryDirectory() as tmp:
         make_random_data(tmp)
         for r in range(args["rounds"]):  # rotate the order, so load changes hit all alike
-            order = STEP_KINDS[r % 4:] + STEP_KINDS[:r % 4]
+            order = STEP_KINDS[r % len(STEP_KINDS):] + STEP_KINDS[:r % len(STEP_KINDS)]
             got = {k: overhead_round(k, stamps, n, tmp, r) for k in order}
             for k in STEP_KINDS:
                 times[k] += got[k]
-                ratios[k].append(statistics.median(got[k]) / statistics.median(got["plain"]))
+                ratios[k].append(statistics.median(got[k]) / statistics.median(got["learned"]))
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = RECIPE["batch_size"] * RECIPE["block_size"]
     print(f"\nnanoGPT's CPU recipe {RECIPE}, float32, eager, {threads} thread(s); median of "
-          f"{len(times['plain'])} steps each, {args['rounds']} rotating rounds")
+          f"{len(times['learned'])} steps each, {args['rounds']} rotating rounds")
     print("| step | ms/iter | tokens/s | vs (1) | vs (1) per round |")
     print("|---|---:|---:|---:|---|")
     for k in STEP_KINDS:
         print(f"| {STEP_NAMES[k]} | {1e3 * med[k]:.2f} | {tokens / med[k]:,.0f} | "
-              f"{med[k] / med['plain']:.3f} | {', '.join(f'{x:.3f}' for x in ratios[k])} |")
+              f"{med[k] / med['learned']:.3f} | {', '.join(f'{x:.3f}' for x in ratios[k])} |")
 
 
 def plain_run(data_dir):
-    """The whole plain command (--plain_run=DIR): PlainGPT's loop for --iters iterations with
-    train.py's evaluations and checkpoint writes, one line per 10 iterations."""
-    model = plain_model("plain")
+    """The whole plain command (--plain_run=DIR): the nanoGPT-equivalent plain loop (learned
+    positions) for --iters iterations with train.py's evaluations and checkpoint writes, one
+    line per 10 iterations."""
+    model = plain_model("learned")
     opt = plain_optimizer(model)
     gen = np.random.default_rng(1337)
     out = os.path.join(data_dir, "plain-out")
@@ -420,13 +382,11 @@ class TargetRun:
 
     def __init__(self, kind, vocab_size):
         torch.manual_seed(args["seed"])  # the same initial draw for every run
-        shape = dict(RECIPE, vocab_size=vocab_size)
-        del shape["batch_size"]
         if kind == "nanoGPT, AdamW":
-            self.model = PlainGPT(**shape)
+            self.model = recipe_model("learned", vocab_size)
             self.opt = plain_optimizer(self.model)
         else:
-            self.model = RoFormer(RoFormerConfig(dropout=0.0, **shape))
+            self.model = recipe_model("rope", vocab_size)
             self.opt = build_optimizer(self.model, LR, WEIGHT_DECAY, BETAS, "cpu",
                                        name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"])
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
@@ -435,9 +395,9 @@ class TargetRun:
     def train(self, data, n):
         t0 = time.perf_counter()
         for _ in range(n):
-            lr = recipe_lr(self.it, args["target_iters"])
+            frac = recipe_lr(self.it, args["target_iters"]) / LR  # of each group's peak rate
             for g in self.opt.param_groups:
-                g["lr"] = lr * g.get("lr_scale", 1.0)
+                g["lr"] = frac * g.get("base_lr", LR)
             start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
             xy = torch.from_numpy(data[start[:, None] + np.arange(RECIPE["block_size"] + 1)])
             loss = self.model(xy[:, :-1], xy[:, 1:])[1]
