@@ -56,3 +56,24 @@ def test_missing_text_is_one_line(tmp_path):
                        timeout=120, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
     assert "--text=PATH" in r.stderr
+
+
+def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
+    """--target's Muon run once set every group's rate from a key the optimizer no longer had,
+    so Muon's matrices trained at AdamW's 1e-3 instead of muon_lr. Reference: the schedule's
+    fraction times each group's base_lr, which build_optimizer sets (muon_lr for Muon's
+    groups, the recipe's rate for the rest)."""
+    import numpy as np
+    monkeypatch.setattr(sys, "argv", ["bench/train.py", "--muon_lr=0.05"])
+    path = os.path.join(ROOT, "bench", "train.py")
+    with open(path) as f:  # its definitions only: the script's modes run below them
+        source = f.read().split('\nif args["plain_run"]:')[0]
+    bench = {"__file__": path, "__name__": "bench_train"}
+    exec(compile(source, path, "exec"), bench)
+    run = bench["TargetRun"]("ours, Muon", 65)
+    run.train(np.random.default_rng(0).integers(0, 65, 1000).astype(np.int64), 3)
+    frac = bench["recipe_lr"](2, bench["args"]["target_iters"]) / bench["LR"]
+    rates = sorted({(g["base_lr"], g["lr"]) for g in run.opt.param_groups})
+    assert [b for b, _ in rates] == [bench["LR"], 0.05]
+    for base, lr in rates:
+        assert abs(lr - frac * base) < 1e-12
