@@ -3,12 +3,13 @@ restart of this run, continues it exactly; init_from=RUN starts a new run from R
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from lib.checkpoint import misfit, read
-from lib.common import UserError
+from lib.common import UserError, atomic_write
 
 
 def find(out_dir, asked, run_id, restarts, master):
@@ -97,9 +98,7 @@ def repair_log(log_path, start_iter):
         if unreadable:
             print(f"warning: {log_path}: dropped {unreadable} unreadable line(s) (a write cut "
                   f"short by a crash?)", flush=True)
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(log_path + ".tmp", log_path)
+        atomic_write(log_path, lambda tmp: Path(tmp).write_text("".join(kept)))
     except OSError as e:
         print(f"warning: cannot rewrite {log_path} ({e.strerror}); training goes on", flush=True)
 

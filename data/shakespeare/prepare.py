@@ -11,26 +11,24 @@ import argparse
 import os
 import sys
 import urllib.request
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from data import common  # noqa: E402
-from lib.common import REPO, UserError  # noqa: E402
+from lib.common import REPO, UserError, atomic_write  # noqa: E402
 from data.sources import file_sources, find_files  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
 
 def download(path, timeout):
-    """Fetch tiny Shakespeare to path (via a temp name); offline, fail fast with a hint."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    """Fetch tiny Shakespeare to path (atomically); offline, fail fast with a hint."""
     print(f"downloading {URL} ...")
     try:
-        with urllib.request.urlopen(URL, timeout=timeout) as r, open(tmp, "wb") as f:
-            f.write(r.read())
-        os.replace(tmp, path)
+        with urllib.request.urlopen(URL, timeout=timeout) as r:
+            text = r.read()
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(text))
     except (OSError, ValueError) as e:  # URLError, timeouts and HTTP errors are OSErrors
-        if os.path.exists(tmp):
-            os.remove(tmp)
         reason = getattr(e, "reason", e)
         raise UserError(f"could not download tiny Shakespeare ({reason}); "
                         f"pass --input PATH with a local copy of it")
