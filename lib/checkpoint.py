@@ -141,6 +141,12 @@ def rng_state():
             "python": list(random.getstate())}
 
 
+def set_rng_state(saved):  # rng_state's inverse (lib/resume.py)
+    torch.set_rng_state(saved["torch"])
+    np.random.set_state(tuple(saved["numpy"]))
+    random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
+
+
 # ----------------------------------------------------------------------------------------
 # writing
 

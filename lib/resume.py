@@ -2,13 +2,9 @@
 restart of this run, continues it exactly; init_from=RUN starts a new run from RUN's weights."""
 import json
 import os
-import random
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from lib.checkpoint import misfit, read
+from lib.checkpoint import misfit, read, set_rng_state
 from lib.common import UserError, atomic_write
 
 
@@ -72,10 +68,7 @@ def load_state(ckpt, path, raw_model, optimizer, scaler):
         group.update(kept)
     if ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
-    saved = ckpt["rng"]  # batches and dropout reseed every micro-step anyway
-    torch.set_rng_state(saved["torch"])
-    np.random.set_state(tuple(saved["numpy"]))
-    random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
+    set_rng_state(ckpt["rng"])  # batches and dropout reseed every micro-step anyway
 
 
 def repair_log(log_path, start_iter):
