@@ -6,6 +6,7 @@ point and at the end; and the cost of a step.
     python data/text/prepare.py --input /usr/share/vim/vim90/doc --ext .txt --out_dir data/vimdoc
     python bench/optim.py                                   # the table in docs/OPTIM.md
     python bench/optim.py --datasets=pystdlib --iters=100   # quicker
+    python bench/optim.py --step_cost=True --threads=2      # only the cost of a step
 
 Every run is `python train.py config/small.py` with the overrides printed above the tables
 (one training at a time, --threads torch threads each). A sweep per corpus: AdamW at each rate
@@ -26,12 +27,13 @@ import torch
 
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
-from lib.common import UserError, configure  # noqa: E402
+from lib.common import UserError, configure, cpu_has_bf16  # noqa: E402
 
 defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,1339",
             "adamw_lrs": "1e-3,2e-3,4e-3", "muon_lrs": "0.01,0.02,0.04", "threads": 1,
             "n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128, "batch_size": 8,
-            "eval_iters": 10, "results": "bench/results/optim.jsonl", "time_steps": 8}
+            "eval_iters": 10, "results": "bench/results/optim.jsonl", "time_steps": 8,
+            "step_cost": False}
 try:
     args = configure(defaults, sys.argv[1:])
 except UserError as e:
@@ -106,24 +108,29 @@ def sweep(dataset, opt, lrs, seed, adamw_lr, done):
     return finals, best
 
 
+ARMS = ("adamw", "muon", "muon, NS in bf16")
+
+
 def step_cost(shape):
-    """ms per training step (forward, backward, optimizer) of adamw and muon on one model,
-    alternated step by step so the shared machine's load hits both alike; bf16 autocast where
-    the CPU has it natively, as train.py's auto dtype does."""
-    from lib.common import cpu_has_bf16
+    """ms per training step (forward, backward, optimizer) of adamw, muon as train.py builds it
+    here (Newton-Schulz in bf16 where the CPU has it natively, else float32) and muon forced to
+    orthogonalise in bf16 (torch.optim.Muon's choice everywhere), on one model, rotated step by
+    step so the shared machine's load hits all alike; bf16 autocast where the CPU has it
+    natively, as train.py's auto dtype does."""
     from model import RoFormer, RoFormerConfig
     from lib.optim import build_optimizer
     torch.set_num_threads(args["threads"])
     torch.manual_seed(0)
     T, B = shape["block_size"], shape["batch_size"]
     cfg = {k: v for k, v in shape.items() if k != "batch_size"}
-    models = {o: RoFormer(RoFormerConfig(vocab_size=4096, **cfg)) for o in ("adamw", "muon")}
-    opts = {o: build_optimizer(m, 2e-3, 0.1, name=o) for o, m in models.items()}
+    models = {o: RoFormer(RoFormerConfig(vocab_size=4096, **cfg)) for o in ARMS}
+    opts = {o: build_optimizer(m, 2e-3, 0.1, name=o.split(",")[0]) for o, m in models.items()}
+    opts["muon, NS in bf16"].muon.ns_dtype = torch.bfloat16
     x, y = torch.randint(0, 4096, (2, B, T))
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
     times = {o: [] for o in models}
     for i in range(args["time_steps"] + 2):
-        for o in (("adamw", "muon") if i % 2 else ("muon", "adamw")):
+        for o in ARMS[i % 3:] + ARMS[:i % 3]:
             t0 = time.perf_counter()
             with ctx:
                 loss = models[o](x, y)[1]
@@ -135,7 +142,25 @@ def step_cost(shape):
     return {o: 1e3 * statistics.median(t) for o, t in times.items()}
 
 
+def print_costs(costs):
+    print(f"\ncost per step, {args['threads']} thread(s), median of {args['time_steps']} "
+          f"rotated steps; muon's Newton-Schulz in "
+          f"{'bf16' if cpu_has_bf16() else 'float32'} on this CPU "
+          f"({'native' if cpu_has_bf16() else 'no native'} bf16)")
+    print("| model | adamw ms/step | muon ms/step | muon, NS in bf16 | muon / adamw | "
+          "muon, NS in bf16 / adamw |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, c in costs.items():
+        print(f"| {name} | {c['adamw']:.0f} | {c['muon']:.0f} | {c['muon, NS in bf16']:.0f} | "
+              f"{c['muon'] / c['adamw']:.3f} | {c['muon, NS in bf16'] / c['adamw']:.3f} |")
+
+
+SMALL = dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16)
+
+
 def main():
+    if args["step_cost"]:
+        return print_costs({"config/small.py's model": step_cost(SMALL)})
     os.makedirs(os.path.dirname(results_path), exist_ok=True)
     done = load_results()
     seeds = [int(s) for s in args["seeds"].split(",")]
@@ -157,8 +182,7 @@ def main():
             recs = [train(overrides(d, opt, lr, s, a_best), done) for s in seeds]
             table.append((d, opt, lr, [r["half"] for r in recs], [r["final"] for r in recs]))
     costs = {"this sweep's model": step_cost(SHAPE),
-             "config/small.py's model": step_cost(dict(n_layer=4, n_head=4, n_embd=256,
-                                                       block_size=256, batch_size=16))}
+             "config/small.py's model": step_cost(SMALL)}
 
     print("\nlearning-rate sweep (first seed; final val loss per rate, best marked *)")
     print("| data | optimizer | rate: final val loss |")
@@ -180,12 +204,7 @@ def main():
     for (d, _, _, _, a_final), (_, _, _, _, m_final) in zip(table[::2], table[1::2]):
         diffs = [m - a for a, m in zip(a_final, m_final)]
         print(f"| {d} | {', '.join(f'{x:+.4f}' for x in diffs)} | {statistics.mean(diffs):+.4f} |")
-    print(f"\ncost per step, {args['threads']} thread(s), median of {args['time_steps']} "
-          f"alternated steps")
-    print("| model | adamw ms/step | muon ms/step | muon / adamw |")
-    print("|---|---:|---:|---:|")
-    for name, c in costs.items():
-        print(f"| {name} | {c['adamw']:.0f} | {c['muon']:.0f} | {c['muon'] / c['adamw']:.3f} |")
+    print_costs(costs)
 
 
 if __name__ == "__main__":

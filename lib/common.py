@@ -232,16 +232,45 @@ def configure(defaults, argv):
 # ----------------------------------------------------------------------------------------
 # the device and dtype every script runs in
 
+@functools.lru_cache(maxsize=None)
 def cpu_has_bf16():
-    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX): there bf16 autocast is
-    several times faster than fp32, elsewhere emulated and slower."""
+    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX) and torch uses it:
+    there bf16 is faster than fp32, elsewhere emulated, ~100x slower. The flags are not enough
+    (a torch build, or ONEDNN_MAX_CPU_ISA, may not use them), so a product of each kind is
+    timed once: native bf16 beats float32, emulated is two orders of magnitude behind it, a
+    margin no load on the machine closes."""
     import torch
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:  # not Linux: be conservative
         return False
-    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.mkldnn.is_available()
+    if not (("avx512_bf16" in flags or "amx_bf16" in flags)
+            and torch.backends.mkldnn.is_available()):
+        return False
+    return matmul_seconds(torch.bfloat16) < matmul_seconds(torch.float32)
+
+
+def matmul_seconds(dtype, n=256, tries=3):
+    """The best of a few n^3 products in `dtype` on this process's threads."""
+    import time
+    import torch
+    a = torch.ones(n, n, dtype=dtype)
+    a @ a  # the first call sets the kernel up
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def native_bf16(device_type):
+    """Whether the device multiplies bf16 natively: nothing may compute in bf16 elsewhere
+    (emulated, a product is ~100x slower than in float32)."""
+    if device_type == "cuda":
+        return cuda_autocast_dtype() == "bfloat16"
+    return device_type == "cpu" and cpu_has_bf16()  # MPS: not assumed
 
 
 def cuda_autocast_dtype():

@@ -1,16 +1,72 @@
 """
-optimizer=muon (imported only then): torch.optim.Muon for the hidden matrices, paired with
+optimizer=muon (imported only then): Muon for the hidden matrices, paired with
 lib/checkpoint.py's AdamW for the rest. Every parameter group carries "base_lr", its peak rate
 (learning_rate, or muon_lr): train.py sets each group's lr to that times the schedule's
 fraction, so Muon's groups follow the same warmup and decay.
 """
+import math
+
 import torch
 
 from lib.checkpoint import adamw
+from lib.common import native_bf16
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon: SGD momentum (Nesterov), then each matrix's update orthogonalised by a quintic
+    Newton-Schulz iteration. torch.optim.Muon's update, hyperparameters and state_dict (so its
+    checkpoints load here), with one change: the iteration runs in `ns_dtype`. torch's always
+    runs it in bfloat16, which a CPU without native bf16 emulates ~100x slower than float32:
+    there the optimizer step cost several times the whole forward and backward."""
+
+    COEFFICIENTS = (3.4445, -4.775, 2.0315)  # (a, b, c): x <- a x + (b G + c G^2) x, G = x x^T
+
+    def __init__(self, params, lr, weight_decay=0.0, momentum=0.95, ns_steps=5, eps=1e-7,
+                 ns_dtype=torch.bfloat16):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                      nesterov=True, ns_coefficients=self.COEFFICIENTS, eps=eps,
+                                      ns_steps=ns_steps, adjust_lr_fn=None))
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in (p for p in group["params"] if p.grad is not None):
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"],
+                                       group["eps"], self.ns_dtype)
+                # the rate scaled by sqrt(rows / cols) for tall matrices (torch's "original"
+                # adjustment): the update's RMS alike across shapes at one lr
+                rate = group["lr"] * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-rate)
+
+
+def orthogonalise(g, coefficients, steps, eps, dtype):
+    """Newton-Schulz on the wide orientation of `g` (fewer FLOPs), after scaling it to Frobenius
+    norm 1 (so every singular value is <= 1): it pushes the singular values towards ~1 (0.7 to
+    1.2, not exactly 1: the coefficients trade exactness for speed) and keeps the singular
+    vectors. The operations are torch.optim.Muon's, in the same order, so in bfloat16 the two
+    agree to the bit (tests/test_optim.py)."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 class MuonAdamW:
-    """torch.optim.Muon on the hidden matrices and torch.optim.AdamW on everything else,
+    """Muon on the hidden matrices and torch.optim.AdamW on everything else,
     stepped, zeroed and checkpointed as one optimizer."""
 
     def __init__(self, muon, adamw):
@@ -45,22 +101,20 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
                     name="adamw", muon_lr=0.02, muon_momentum=0.95):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norms/biases.
     name="muon": the weights of the Linear layers inside the blocks (attention and MLP) go to
-    torch.optim.Muon at base rate muon_lr instead; embeddings (token, position and relative-
-    position tables), the tied head, norms and biases stay with AdamW, as Muon's docs advise:
-    orthogonalising an update suits a hidden layer's map, not a lookup table or a gain."""
+    Muon at base rate muon_lr instead; embeddings (token, position and relative-position
+    tables), the tied head, norms and biases stay with AdamW, as Muon's authors advise:
+    orthogonalising an update suits a hidden layer's map, not a lookup table or a gain. Muon
+    orthogonalises in bfloat16 where `device_type` multiplies it natively, else in float32."""
     if name not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
     if name == "adamw":
         return adamw(model, learning_rate, weight_decay, betas, device_type)
-    if not hasattr(torch.optim, "Muon"):
-        raise ValueError(f"optimizer=muon needs torch >= 2.9 (torch.optim.Muon); this is "
-                         f"torch {torch.__version__}")
     hidden = [m.weight for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
-    # Muon's default lr adjustment ("original": rate x sqrt(max(1, rows/cols))) keeps the
-    # update's RMS alike across matrix shapes at one muon_lr; its decoupled weight decay
-    # shrinks by muon_lr x weight_decay per step, as AdamW's does by lr x weight_decay.
-    muon = torch.optim.Muon([p for p in hidden if p.requires_grad], lr=muon_lr,
-                            weight_decay=weight_decay, momentum=muon_momentum)
+    # Muon's decoupled weight decay shrinks by muon_lr x weight_decay per step, as AdamW's
+    # does by lr x weight_decay.
+    ns_dtype = torch.bfloat16 if native_bf16(device_type) else torch.float32
+    muon = Muon([p for p in hidden if p.requires_grad], lr=muon_lr, weight_decay=weight_decay,
+                momentum=muon_momentum, ns_dtype=ns_dtype)
     muon.param_groups[0]["base_lr"] = muon_lr
     return MuonAdamW(muon, adamw(model, learning_rate, weight_decay, betas, device_type,
                                  exclude={id(p) for p in hidden}))
