@@ -1054,3 +1054,44 @@ def test_error_tokenizer_option_with_char(prepared, tmp_path):
                    str(tmp_path / "o"), "--tokenizer", str(root / "out" / "tokenizer.model"))
     assert_fails(r, "--char would train one")
     assert not (tmp_path / "o").exists()
+
+
+def normalising_model(path, lines, **normaliser):
+    """A sentencepiece model prepare's id check accepts (unk, bos, eos = 0, 1, 2, a newline
+    piece, byte fallback) but trained with a normaliser: its decode is not its input."""
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf,
+                                   vocab_size=330, byte_fallback=True, minloglevel=2,
+                                   user_defined_symbols="\n", normalization_rule_name="nmt_nfkc",
+                                   **normaliser)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
+    """A normalising --tokenizer is refused in one line naming what it changes, before any
+    output is written: squeezed spaces (caught on whitespace any corpus has), and NFKC alone
+    (caught on the corpus's own text, here a ligature). The reference is the model's own
+    decode(encode()) of that piece, computed here."""
+    texts = make_corpus(tmp_path / "c", n_files=2)
+    lines = [line for t in texts.values() for line in t.split("\n") if line.strip()]
+    squeezing = normalising_model(tmp_path / "squeeze.model", lines,
+                                  remove_extra_whitespaces=True)
+    sp = spm.SentencePieceProcessor(model_file=str(squeezing))
+    assert sp.decode(sp.encode("a  b")) == "a b"  # the model does normalise
+    with pytest.raises(SystemExit) as e:
+        prepare_with(tmp_path / "c", tmp_path / "o", squeezing)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg
+    assert "does not round-trip" in msg and "changes '  ' to ' '" in msg and str(squeezing) in msg
+    assert not (tmp_path / "o").exists()
+
+    (tmp_path / "c" / "lig.txt").write_text("the \ufb01le is open\n", encoding="utf-8")
+    nfkc = normalising_model(tmp_path / "nfkc.model", lines, remove_extra_whitespaces=False)
+    sp = spm.SentencePieceProcessor(model_file=str(nfkc))
+    assert sp.decode(sp.encode("\ufb01")) == "fi" and sp.decode(sp.encode("a  b\n")) == "a  b\n"
+    with pytest.raises(SystemExit) as e:
+        prepare_with(tmp_path / "c", tmp_path / "o", nfkc)
+    assert "round-trip this corpus" in str(e.value.code)
+    assert "changes '\ufb01' to 'fi'" in str(e.value.code)
+    assert not (tmp_path / "o").exists()
