@@ -957,6 +957,28 @@ def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
     assert str(ddir / "meta.json") in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", "abc"), ("vocab_size", 0), ("vocab_size", True), ("train_tokens", None),
+    ("train_tokens", "12"), ("val_tokens", 1.5), ("eos_id", "2"), ("dtype", None),
+    ("dtype", "float32"),
+])
+def test_load_meta_refuses_a_field_of_the_wrong_type(prepared, tmp_path, field, value):
+    """A meta.json field readers compute with, of the wrong type, is one line naming the file
+    and the field, from load_meta (where train, eval, export read it), not an error raised
+    while wording another error; the prepared meta.json itself loads."""
+    from data.dataset import load_meta, open_split
+    from lib.common import UserError
+    root, _, meta = prepared
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert load_meta(str(tmp_path)) == meta
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, **{field: value})))
+    for read in (load_meta, lambda d: open_split(d, "train")):
+        with pytest.raises(UserError) as e:
+            read(str(tmp_path))
+        msg = str(e.value)
+        assert "\n" not in msg and str(tmp_path / "meta.json") in msg and repr(field) in msg
+
+
 # ----------------------------------------------------------------------------- --tokenizer
 
 def prepare_with(corpus, out_dir, tokenizer, *extra):
