@@ -12,6 +12,7 @@ import collections
 import hashlib
 import os
 import shlex
+import sys
 import time
 import zipfile
 
@@ -25,7 +26,7 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib.common import REPO, UserError, cli, file_sha256
+from lib.common import REPO, UserError, cli, error_line, file_sha256
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
@@ -334,7 +335,9 @@ OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which trai
 
 
 def add_arguments(p, vocab_size=4096, val_fraction=0.05):
-    """The options every prepare script shares (prepare_options makes prepare's keywords)."""
+    """The options every prepare script shares (prepare_options makes prepare's keywords), and
+    a bad argument as the one line every other mistake is, not argparse's usage block."""
+    p.error = lambda message: sys.exit(error_line(f"{message} (--help lists the options)"))
     p.add_argument("--vocab_size", type=int, default=None,
                    help=f"default {vocab_size or 4096}; a char model without it takes every "
                         f"character of the sample + 256 bytes")

@@ -321,6 +321,21 @@ def assert_fails(result, *phrases):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script, args, phrase", [
+    ("passkey", ["--docs", "abc"], "argument --docs: invalid int value: 'abc'"),
+    ("pystdlib", ["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    ("shakespeare", ["--nope"], "unrecognized arguments: --nope"),
+    ("text", [], "the following arguments are required: --input"),
+])
+def test_error_bad_argument_is_one_line(capsys, script, args, phrase):
+    """argparse's own mistakes, in every prepare script, end as the one line (and exit 1)
+    that every other mistake does, without the usage block."""
+    with pytest.raises(SystemExit) as e:
+        load_script(script).main(args)
+    assert str(e.value.code).startswith("error: ") and phrase in str(e.value.code)
+    assert "\n" not in str(e.value.code) and capsys.readouterr().err == ""
+
+
 def test_error_missing_input(tmp_path):
     r = run_script("text", "--input", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "o"))
     assert_fails(r, "does not exist", str(tmp_path / "nope"))
