@@ -229,7 +229,10 @@ def passkey_grid(model, sp, cfg, lengths, band):
 
 
 def report(r, seconds):  # a row per window length
-    print(f"window {r['block_size']}, stride {r['stride']}: loss {r['nats_per_token']:.4f} "
+    shorter = (f" (longer than the text: {r['window_used']} tokens, each text scored once)"
+               if r["window_used"] < r["block_size"] else "")
+    print(f"window {r['block_size']}{shorter}, stride {r['stride']}: "
+          f"loss {r['nats_per_token']:.4f} "
           f"nats/token | perplexity {r['perplexity']:.2f} | {r['bits_per_byte']:.4f} bits/byte"
           f" | {r['tokens'] / seconds:,.0f} tok/s")
 
@@ -269,14 +272,17 @@ def main(argv):
     if not cfg["json"]:
         print(f"{source}: {tokens:,} tokens, {nbytes:,} bytes ({nbytes / tokens:.2f} bytes/"
               f"token), window_mode {cfg['window_mode']}")
+    longest = max(len(s) for s in seqs) - 1  # a window this long scores each text once
     for length in lengths:
-        stride, t0 = cfg["stride"] or max(1, length // 2), time.perf_counter()
-        nats, count = score(model, seqs, stride, cfg["batch_size"], length, band)
+        used = min(length, longest)  # longer costs the same: only padding would be added
+        stride, t0 = cfg["stride"] or max(1, used // 2), time.perf_counter()
+        nats, count = score(model, seqs, stride, cfg["batch_size"], used, band)
         results.append({
             "out_dir": cfg["out_dir"], "input": source, "tokens": count, "bytes": nbytes,
             "nats_per_token": nats / count, "perplexity": math.exp(nats / count),
             "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-            "block_size": length, "stride": stride, "window_mode": cfg["window_mode"],
+            "block_size": length, "window_used": used, "stride": stride,
+            "window_mode": cfg["window_mode"],
             "iter_num": ckpt.get("iter_num"), "dtype": cfg["dtype"]})
         if cfg["json"]:
             print(jsonlib.dumps(results[-1]))
