@@ -644,6 +644,20 @@ def test_lengths_passkey_and_window_errors(run, tmp_path):
     evalpy.check_lengths(learned, cfg, [BLOCK])  # up to block_size is fine
 
 
+def test_passkey_refuses_a_length_it_cannot_run_before_building_a_prompt(run, monkeypatch):
+    """--passkey --lengths=10000000: a 10M-token prompt's attention alone is 1e14 pairs, more
+    than any machine holds; one line, and not one prompt built (building them took minutes
+    and GBs before the forward that could never run). Lengths that fit still run (the tests
+    above)."""
+    import data.passkey.prepare as passkey
+
+    def prompt_ids(*args):
+        raise AssertionError("a prompt was built for a length that cannot run")
+    monkeypatch.setattr(passkey, "prompt_ids", prompt_ids)
+    msg = err(f"--out_dir={run['out']}", "--passkey", "--lengths=64,10000000")
+    assert "--passkey length 10000000 needs about" in msg and "GB" in msg
+
+
 def test_passkey_needs_a_tokenizer_that_encodes_digits(run, tmp_path):
     """A tokenizer without byte fallback that never saw a digit turns the key into unknown
     pieces: a one-line error before any prompt is built."""
