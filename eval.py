@@ -256,7 +256,7 @@ def passkey_grid(model, sp, cfg, lengths, band):
 
 
 def report(r, seconds):  # a row per window length
-    shorter = (f" (longer than the text: {r['window_used']} tokens, each text scored once)"
+    shorter = (f" (past every text: the longest is {r['window_used']} tokens, each scored once)"
                if r["window_used"] < r["block_size"] else "")
     print(f"window {r['block_size']}{shorter}, stride {r['stride']}: "
           f"loss {r['nats_per_token']:.4f} "
