@@ -524,7 +524,8 @@ def test_a_length_past_the_text_scores_it_once_at_the_cost_of_its_length(run, ca
     assert r["nats_per_token"] * r["tokens"] == pytest.approx(nats, rel=1e-5)
     capsys.readouterr()
     evalpy.main(list(a))
-    assert f"window 10000000 (past every text: the longest is {tokens} tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"window 10000000 (past every text: the longest is {tokens} tokens" in out
 
 
 def test_window_mode_local_equals_a_band_mask_built_by_hand(run, capsys):
