@@ -26,7 +26,8 @@ each scoring only the tokens past the previous one (so each has at least window 
 tokens of context). --split=val scores the run's own val.bin (its end-of-document tokens
 included: loss but no bytes). --lengths=L1,L2,...: a row per length L, the same tokens scored
 with windows of L tokens (stride default L/2), so only the context differs (L past the trained
-window: extrapolation). --window_mode=local: each token sees only its last context_window
+window: extrapolation; L past the longest text scores each text once, as L = its length
+would, and the row says so). --window_mode=local: each token sees only its last context_window
 tokens. --passkey: greedy recall of a 5-digit key put at each --depths fraction of prompts of
 about L tokens.
 """
@@ -199,9 +200,35 @@ def greedy(model, ids, band, vocab):
     return out
 
 
+def device_memory(dev):
+    """Bytes of memory on the device (None where the platform does not say)."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_prompt_memory(model, lengths):
+    """Refuse, before any prompt is built, a --passkey length whose prompt cannot be run here:
+    one forward takes its logits (length x vocab) and, with softmax attention, a mask and
+    scores over length x length (the cache's prefill; a band cuts what is seen, not that)."""
+    c, memory = model.config, device_memory(next(model.parameters()).device)
+    n = max(lengths) + ANSWER
+    keys = n if c.attention == "softmax" else 0
+    need = 4 * n * (c.vocab_size + 8 * c.n_embd) + n * keys * (9 + 4 * c.n_head)
+    if memory is not None and need > memory:
+        raise UserError(f"--passkey length {max(lengths)} needs about {need / 1e9:,.0f} GB for "
+                        f"one prompt's forward (logits, and attention over every pair of its "
+                        f"tokens), more than the {memory / 1e9:,.0f} GB here; pass shorter "
+                        f"--lengths")
+
+
 def passkey_grid(model, sp, cfg, lengths, band):
     """Accuracy per length (rows) and depth (columns), or a JSON line per cell."""
     from data.passkey.prepare import QUESTION, filler_words, prompt_ids
+    check_prompt_memory(model, lengths)
     probe = f"{QUESTION} 0123456789"
     if sp.unk_id() in sp.encode(probe) or sp.decode(sp.encode(probe)) != probe:
         raise UserError(f"--passkey needs a tokenizer that encodes {probe!r}; this one does not")
@@ -229,7 +256,10 @@ def passkey_grid(model, sp, cfg, lengths, band):
 
 
 def report(r, seconds):  # a row per window length
-    print(f"window {r['block_size']}, stride {r['stride']}: loss {r['nats_per_token']:.4f} "
+    shorter = (f" (past every text: the longest is {r['window_used']} tokens, each scored once)"
+               if r["window_used"] < r["block_size"] else "")
+    print(f"window {r['block_size']}{shorter}, stride {r['stride']}: "
+          f"loss {r['nats_per_token']:.4f} "
           f"nats/token | perplexity {r['perplexity']:.2f} | {r['bits_per_byte']:.4f} bits/byte"
           f" | {r['tokens'] / seconds:,.0f} tok/s")
 
@@ -269,14 +299,17 @@ def main(argv):
     if not cfg["json"]:
         print(f"{source}: {tokens:,} tokens, {nbytes:,} bytes ({nbytes / tokens:.2f} bytes/"
               f"token), window_mode {cfg['window_mode']}")
+    longest = max(len(s) for s in seqs) - 1  # a window this long scores each text once
     for length in lengths:
-        stride, t0 = cfg["stride"] or max(1, length // 2), time.perf_counter()
-        nats, count = score(model, seqs, stride, cfg["batch_size"], length, band)
+        used = min(length, longest)  # longer costs the same: only padding would be added
+        stride, t0 = cfg["stride"] or max(1, used // 2), time.perf_counter()
+        nats, count = score(model, seqs, stride, cfg["batch_size"], used, band)
         results.append({
             "out_dir": cfg["out_dir"], "input": source, "tokens": count, "bytes": nbytes,
             "nats_per_token": nats / count, "perplexity": math.exp(nats / count),
             "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-            "block_size": length, "stride": stride, "window_mode": cfg["window_mode"],
+            "block_size": length, "window_used": used, "stride": stride,
+            "window_mode": cfg["window_mode"],
             "iter_num": ckpt.get("iter_num"), "dtype": cfg["dtype"]})
         if cfg["json"]:
             print(jsonlib.dumps(results[-1]))

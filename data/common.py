@@ -12,6 +12,7 @@ import collections
 import hashlib
 import os
 import shlex
+import sys
 import time
 import zipfile
 
@@ -21,10 +22,11 @@ from data import workers
 from data.documents import FIELD_HINT, tasks, text_fields
 from data.shared import BOS_ID, EOS_ID, UNK_ID, dtype_for_vocab, tqdm
 from data.split import split_tokens
-from data.tokenizer import TokenizerSample, load_tokenizer, train_tokenizer
+from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip,
+                            load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib.common import REPO, UserError, cli, file_sha256
+from lib.common import REPO, UserError, cli, error_line, file_sha256
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
@@ -56,6 +58,8 @@ def given_tokenizer(path):
     if ids != (UNK_ID, BOS_ID, EOS_ID) or sp.piece_to_id("\n") == UNK_ID:  # what prepare needs
         raise UserError(f"--tokenizer {path} gives no tokenizer prepare can use: a run, or a "
                         f"sentencepiece model with unk, bos, eos = 0, 1, 2 and a newline piece")
+    # whitespace any corpus has, now, before the scan; the corpus's own text once it is read
+    check_round_trip(sp, ROUND_TRIP_PROBES, path, "spaces and newlines")
     return model_bytes, sp, dict(copied_from=os.path.abspath(path), vocab_size=sp.get_piece_size(),
                                  sha256=hashlib.sha256(model_bytes).hexdigest())
 
@@ -162,7 +166,10 @@ def split_budget(total, val_fraction, val_tokens, min_val_tokens):
 
 def build_tokenizer(corpus, options, log):
     """The tokenizer trained on the sample, or --tokenizer's: (bytes, processor, its meta)."""
-    if options["given"]:  # --tokenizer: that one, as it is
+    if options["given"]:  # --tokenizer: that one, as it is, if it encodes this corpus exactly
+        model_bytes, sp, settings = options["given"]
+        check_round_trip(sp, corpus.pop("sample").texts(corpus["skipped"]),
+                         settings["copied_from"])
         return options["given"]
     vocab_size, model_type = options["vocab_size"], options["model_type"]
     lines = corpus.pop("sample").lines(corpus["skipped"])
@@ -328,7 +335,9 @@ OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which trai
 
 
 def add_arguments(p, vocab_size=4096, val_fraction=0.05):
-    """The options every prepare script shares (prepare_options makes prepare's keywords)."""
+    """The options every prepare script shares (prepare_options makes prepare's keywords), and
+    a bad argument as the one line every other mistake is, not argparse's usage block."""
+    p.error = lambda message: sys.exit(error_line(f"{message} (--help lists the options)"))
     p.add_argument("--vocab_size", type=int, default=None,
                    help=f"default {vocab_size or 4096}; a char model without it takes every "
                         f"character of the sample + 256 bytes")

@@ -26,7 +26,26 @@ def load_meta(ddir):
         np.dtype(meta["dtype"])
     except TypeError:
         raise UserError(f"{path}: unknown dtype {meta['dtype']!r}") from None
+    check_fields(meta, path)
     return meta
+
+
+# The fields readers compute with, and the least each may be (the counts and ids are optional:
+# an older or hand-made meta.json may lack them, but one that has them has them as integers).
+INT_FIELDS = {"vocab_size": 1, "train_tokens": 0, "val_tokens": 0,
+              "eos_id": -1, "bos_id": -1, "unk_id": -1, "newline_id": -1}
+
+
+def check_fields(meta, path):
+    """Each field's type, so a wrong one is this line and not a failure where it is used."""
+    if not isinstance(meta["dtype"], str) or np.dtype(meta["dtype"]).kind not in "ui":
+        raise UserError(f"{path}: field 'dtype' must name an integer type (uint16, uint32), "
+                        f"not {meta['dtype']!r}; prepare the dataset again")
+    for name, least in INT_FIELDS.items():
+        value = meta.get(name, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise UserError(f"{path}: field {name!r} must be an integer >= {least}, not "
+                            f"{value!r}; prepare the dataset again")
 
 
 def open_split(ddir, split, meta=None):

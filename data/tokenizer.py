@@ -36,16 +36,20 @@ class TokenizerSample:
         while self.size - len(self.heap[0][2]) >= self.sample_bytes:
             self.size -= len(heapq.heappop(self.heap)[2])
 
-    def lines(self, skipped_sources):
-        """The units in key order that fit sample_bytes, as the non-blank lines to train on."""
-        lines, size = [], 0
+    def texts(self, skipped_sources):
+        """The units in key order that fit sample_bytes (at least one)."""
+        size = 0
         for key, si, text in sorted((-k, si, t) for k, si, t in self.heap
                                     if si not in skipped_sources):
-            if size + len(text) > self.sample_bytes and lines:
+            if size + len(text) > self.sample_bytes and size:
                 break
             size += len(text)
-            lines.extend(line for line in text.split("\n") if line.strip())
-        return lines
+            yield text
+
+    def lines(self, skipped_sources):
+        """The sample's units as the non-blank lines to train on."""
+        return [line for text in self.texts(skipped_sources) for line in text.split("\n")
+                if line.strip()]
 
 
 def train_tokenizer(lines, vocab_size, model_type):
@@ -109,3 +113,40 @@ def trainer_error(e, vocab_size):
 def load_tokenizer(model_bytes):
     import sentencepiece as spm
     return spm.SentencePieceProcessor(model_proto=model_bytes)
+
+
+# What a normalising model changes (NFKC, squeezed or stripped spaces) in any corpus: runs of
+# spaces, leading and trailing ones, blank lines, indented code.
+ROUND_TRIP_PROBES = ("a  b", " a ", "a\n\n  b  \n", "def f(x):\n    return x  # y\n")
+
+
+def check_round_trip(sp, texts, name, what="this corpus"):
+    """Refuse the tokenizer `name` unless decode(encode(text)) gives back each text, U+2581
+    aside (sentencepiece's own space, which every model decodes as one): bits per byte and the
+    corpus itself depend on it. The line names the first piece that changes."""
+    for text in texts:
+        want, got = text.replace("\u2581", " "), sp.decode(sp.encode(text))
+        if got != want:
+            was, became = first_difference(want, got)
+            raise UserError(f"tokenizer {name} does not round-trip {what}: decode(encode(text)) "
+                            f"changes {was!r} to {became!r} (a normalising model, e.g. "
+                            f"nmt_nfkc); train one with data/text/prepare.py or use a run's")
+
+
+def first_difference(a, b, most=30):
+    """The first differing stretch of two strings, as (in a, in b): past their common prefix,
+    before their common suffix, widened over the whitespace run it starts inside (a squeezed
+    '  ' shows as '  ' -> ' ', not ' ' -> '') and by a neighbour when one side is empty."""
+    p = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    s = 0
+    while s < min(len(a), len(b)) - p and a[-1 - s] == b[-1 - s]:
+        s += 1
+    while p and a[p - 1].isspace() and a[p:p + 1].isspace():
+        p -= 1
+    ea, eb = len(a) - s, len(b) - s
+    if ea == p or eb == p:  # one side empty: show a neighbour for context
+        if s:
+            ea, eb = ea + 1, eb + 1
+        elif p:
+            p -= 1
+    return a[p:ea][:most], b[p:eb][:most]

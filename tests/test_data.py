@@ -321,6 +321,21 @@ def assert_fails(result, *phrases):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script, args, phrase", [
+    ("passkey", ["--docs", "abc"], "argument --docs: invalid int value: 'abc'"),
+    ("pystdlib", ["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    ("shakespeare", ["--nope"], "unrecognized arguments: --nope"),
+    ("text", [], "the following arguments are required: --input"),
+])
+def test_error_bad_argument_is_one_line(capsys, script, args, phrase):
+    """argparse's own mistakes, in every prepare script, end as the one line (and exit 1)
+    that every other mistake does, without the usage block."""
+    with pytest.raises(SystemExit) as e:
+        load_script(script).main(args)
+    assert str(e.value.code).startswith("error: ") and phrase in str(e.value.code)
+    assert "\n" not in str(e.value.code) and capsys.readouterr().err == ""
+
+
 def test_error_missing_input(tmp_path):
     r = run_script("text", "--input", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "o"))
     assert_fails(r, "does not exist", str(tmp_path / "nope"))
@@ -957,6 +972,28 @@ def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
     assert str(ddir / "meta.json") in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", "abc"), ("vocab_size", 0), ("vocab_size", True), ("train_tokens", None),
+    ("train_tokens", "12"), ("val_tokens", 1.5), ("eos_id", "2"), ("dtype", None),
+    ("dtype", "float32"),
+])
+def test_load_meta_refuses_a_field_of_the_wrong_type(prepared, tmp_path, field, value):
+    """A meta.json field readers compute with, of the wrong type, is one line naming the file
+    and the field, from load_meta (where train, eval, export read it), not an error raised
+    while wording another error; the prepared meta.json itself loads."""
+    from data.dataset import load_meta, open_split
+    from lib.common import UserError
+    root, _, meta = prepared
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    assert load_meta(str(tmp_path)) == meta
+    (tmp_path / "meta.json").write_text(json.dumps(dict(meta, **{field: value})))
+    for read in (load_meta, lambda d: open_split(d, "train")):
+        with pytest.raises(UserError) as e:
+            read(str(tmp_path))
+        msg = str(e.value)
+        assert "\n" not in msg and str(tmp_path / "meta.json") in msg and repr(field) in msg
+
+
 # ----------------------------------------------------------------------------- --tokenizer
 
 def prepare_with(corpus, out_dir, tokenizer, *extra):
@@ -1053,4 +1090,45 @@ def test_error_tokenizer_option_with_char(prepared, tmp_path):
     r = run_script("shakespeare", "--input", str(tmp_path / "in.txt"), "--char", "--out_dir",
                    str(tmp_path / "o"), "--tokenizer", str(root / "out" / "tokenizer.model"))
     assert_fails(r, "--char would train one")
+    assert not (tmp_path / "o").exists()
+
+
+def normalising_model(path, lines, **normaliser):
+    """A sentencepiece model prepare's id check accepts (unk, bos, eos = 0, 1, 2, a newline
+    piece, byte fallback) but trained with a normaliser: its decode is not its input."""
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf,
+                                   vocab_size=330, byte_fallback=True, minloglevel=2,
+                                   user_defined_symbols="\n", normalization_rule_name="nmt_nfkc",
+                                   **normaliser)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
+    """A normalising --tokenizer is refused in one line naming what it changes, before any
+    output is written: squeezed spaces (caught on whitespace any corpus has), and NFKC alone
+    (caught on the corpus's own text, here a ligature). The reference is the model's own
+    decode(encode()) of that piece, computed here."""
+    texts = make_corpus(tmp_path / "c", n_files=2)
+    lines = [line for t in texts.values() for line in t.split("\n") if line.strip()]
+    squeezing = normalising_model(tmp_path / "squeeze.model", lines,
+                                  remove_extra_whitespaces=True)
+    sp = spm.SentencePieceProcessor(model_file=str(squeezing))
+    assert sp.decode(sp.encode("a  b")) == "a b"  # the model does normalise
+    with pytest.raises(SystemExit) as e:
+        prepare_with(tmp_path / "c", tmp_path / "o", squeezing)
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg
+    assert "does not round-trip" in msg and "changes '  ' to ' '" in msg and str(squeezing) in msg
+    assert not (tmp_path / "o").exists()
+
+    (tmp_path / "c" / "lig.txt").write_text("the \ufb01le is open\n", encoding="utf-8")
+    nfkc = normalising_model(tmp_path / "nfkc.model", lines, remove_extra_whitespaces=False)
+    sp = spm.SentencePieceProcessor(model_file=str(nfkc))
+    assert sp.decode(sp.encode("\ufb01")) == "fi" and sp.decode(sp.encode("a  b\n")) == "a  b\n"
+    with pytest.raises(SystemExit) as e:
+        prepare_with(tmp_path / "c", tmp_path / "o", nfkc)
+    assert "round-trip this corpus" in str(e.value.code)
+    assert "changes '\ufb01' to 'fi'" in str(e.value.code)
     assert not (tmp_path / "o").exists()

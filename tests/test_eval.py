@@ -503,6 +503,31 @@ def test_lengths_rows_equal_naive_per_length(run, capsys):
         ["window 16", "window 80"]
 
 
+def test_a_length_past_the_text_scores_it_once_at_the_cost_of_its_length(run, capsys,
+                                                                           monkeypatch):
+    """--lengths=10000000 on a short text: the row equals the naive reference with a window of
+    exactly the text's token count, says which length was used, and no forward is ever
+    wider than the text (before, it allocated windows of the requested length: minutes, GBs)."""
+    text = (run["root"] / "short.txt").read_text(encoding="utf-8")
+    tokens = len(run["sp"].encode(text))
+    real, widths = evalpy.score, []
+
+    def score(model, seqs, stride, batch_size, window=None, band=None):
+        widths.append(window)
+        assert window <= tokens, f"a {window}-token window for a {tokens}-token text"
+        return real(model, seqs, stride, batch_size, window, band)
+    monkeypatch.setattr(evalpy, "score", score)
+    a = (f"--out_dir={run['out']}", f"--input={run['root'] / 'short.txt'}", "--lengths=10000000")
+    r = json_rows(capsys, *a)[0]
+    assert (r["block_size"], r["window_used"], r["tokens"]) == (10000000, tokens, tokens)
+    nats = reference_nats(run["model"], run["sp"], [text], tokens, tokens // 2)
+    assert r["nats_per_token"] * r["tokens"] == pytest.approx(nats, rel=1e-5)
+    capsys.readouterr()
+    evalpy.main(list(a))
+    out = capsys.readouterr().out
+    assert f"window 10000000 (past every text: the longest is {tokens} tokens" in out
+
+
 def test_window_mode_local_equals_a_band_mask_built_by_hand(run, capsys):
     """--window_mode=local: each token sees its last block_size tokens inside windows of any
     length. The reference runs every target alone on its window's context, in a full forward
@@ -618,6 +643,20 @@ def test_lengths_passkey_and_window_errors(run, tmp_path):
     assert "learned positions end" in one_line_error(evalpy.check_lengths, learned, cfg,
                                                      [BLOCK, BLOCK + 1])
     evalpy.check_lengths(learned, cfg, [BLOCK])  # up to block_size is fine
+
+
+def test_passkey_refuses_a_length_it_cannot_run_before_building_a_prompt(run, monkeypatch):
+    """--passkey --lengths=10000000: a 10M-token prompt's attention alone is 1e14 pairs, more
+    than any machine holds; one line, and not one prompt built (building them took minutes
+    and GBs before the forward that could never run). Lengths that fit still run (the tests
+    above)."""
+    import data.passkey.prepare as passkey
+
+    def prompt_ids(*args):
+        raise AssertionError("a prompt was built for a length that cannot run")
+    monkeypatch.setattr(passkey, "prompt_ids", prompt_ids)
+    msg = err(f"--out_dir={run['out']}", "--passkey", "--lengths=64,10000000")
+    assert "--passkey length 10000000 needs about" in msg and "GB" in msg
 
 
 def test_passkey_needs_a_tokenizer_that_encodes_digits(run, tmp_path):
