@@ -68,10 +68,11 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
 def dataset_dir(ckpt, gone_ok=False):
     """The folder of the run's dataset (val.bin, meta.json), for eval.py --split and export.py's
     check. A run records the folder it read (config data_dir, an absolute path): that folder, or
-    a UserError saying it is gone (None with gone_ok); never another corpus. Older checkpoints hold the --data_dir
-    given ("" or relative: no record) and keep the old search: that data_dir, the tokenizer's
-    folder, data/<dataset> (None when none is there). Either way a folder whose tokenizer.model
-    is not the run's is refused: its val.bin holds another vocabulary's ids."""
+    a UserError saying it is gone (None with gone_ok); never another corpus. Older checkpoints
+    hold the --data_dir given ("" or relative: no record) and keep the old search: that
+    data_dir, the tokenizer's folder, data/<dataset> (None when none is there). Either way a
+    folder whose tokenizer.model is not the run's is refused: its val.bin holds another
+    vocabulary's ids."""
     info = ckpt.get("tokenizer") or {}
     recorded = (ckpt.get("config") or {}).get("data_dir")
     recorded = recorded if recorded and os.path.isabs(recorded) else None

@@ -129,8 +129,9 @@ def read(path, mmap=False):
 
 def rescale(model_args, rope_scaling, rope_factor):
     """model_args with RoPE scaling flags applied ("" / 0: keep the checkpoint's): sample.py's
-    and eval.py's at inference, train.py's init_from=RUN's. "none" means factor 1: it switches a checkpoint's scaling off. rope_original stays (absent
-    in older runs: block_size), so a fine-tuned run's window is its pretraining context * factor."""
+    and eval.py's at inference, train.py's init_from=RUN's. "none" means factor 1: it switches
+    a checkpoint's scaling off. rope_original stays (absent in older runs: block_size), so a
+    fine-tuned run's window is its pretraining context * factor."""
     scaling = rope_scaling or model_args.get("rope_scaling", "none")
     if scaling == "none":
         if rope_factor not in (0, 1):
