@@ -192,8 +192,6 @@ if resumed:
 else:
     run.move_aside(out_dir, master, ddp)  # another run's checkpoint is never overwritten
     model_args = {k: config[k] for k in MODEL_KEYS}
-if master:  # the run folder holds its tokenizer: sample, eval, export need no dataset folder
-    run_tokenizer.keep(out_dir, tokenizer)
 if model_args["vocab_size"] < meta["vocab_size"]:
     raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
                     f"{meta['vocab_size']}")
@@ -334,6 +332,7 @@ progress = run.Progress(start_iter, max_iters, tokens_per_iter,
                         world, master)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
+    run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)
