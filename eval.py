@@ -48,6 +48,7 @@ from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
 from lib.common import UserError, cli, configure, pick_device
+from lib.run_tokenizer import folder_read
 from model import KVCache
 from sample import dataset_dir, describe, load_run
 
@@ -141,10 +142,10 @@ def own_split(ckpt, split_name):
         ddir = dataset_dir(ckpt)
     except UserError as e:
         raise UserError(f"{e}; score text files with --input instead") from None
-    if not ddir:
-        name = (ckpt.get("tokenizer") or {}).get("dataset")
-        raise UserError(f"the run's dataset (val.bin, meta.json) is not found; pass --input "
-                        f"or prepare dataset '{name}' again")
+    if not ddir:  # an older run
+        raise UserError(f"the run's dataset (val.bin, meta.json) is not found; pass --input or "
+                        f"prepare the run's dataset {folder_read(ckpt.get('tokenizer') or {})} "
+                        f"again")
     ids = np.asarray(open_split(ddir, split_name, load_meta(ddir)))
     return ids, os.path.join(ddir, f"{split_name}.bin")
 

@@ -286,13 +286,19 @@ def check_export(path, model, sp, text, dtype):
 
 
 def validation_text(ckpt, sp, max_tokens=20000):
-    """The run's validation text for the tokenizer checks ("" if an older run's dataset is gone)."""
+    """The run's validation text for the tokenizer checks, or "" with a note when the run's
+    dataset is gone: the run folder holds everything the export itself needs."""
     try:
-        ddir = dataset_dir(ckpt)
+        ddir = dataset_dir(ckpt, gone_ok=True)
     except UserError as e:  # checking the tokenizer on another corpus's ids would fail
         raise UserError(f"{e}; the export check tokenizes the run's validation text "
                         f"(--check=False exports without checking)") from None
-    return sp.decode(open_split(ddir, "val")[:max_tokens].tolist()) if ddir else ""
+    if not ddir:
+        gone = (ckpt.get("config") or {}).get("data_dir") or "the run's dataset"
+        print(f"note: {gone} is gone: the check compares the logits but tokenizes no validation "
+              f"text", file=sys.stderr)
+        return ""
+    return sp.decode(open_split(ddir, "val")[:max_tokens].tolist())
 
 
 # --- writing -----------------------------------------------------------------------------

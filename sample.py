@@ -22,66 +22,13 @@ import time
 
 import torch
 
-from lib.checkpoint import misfit, read
-from lib.common import REPO, UserError, cli, configure, file_sha256, pick_device
+from lib import run_tokenizer
+from lib.checkpoint import misfit, read, rescale
+from lib.common import UserError, cli, configure, pick_device
 from model import RecurrentState, RoFormer, RoFormerConfig
 
 # -----------------------------------------------------------------------------------------
 # loading a run (also for eval.py and export.py)
-
-def load_tokenizer(info, override):
-    """The checkpoint's sentencepiece model: the `override` path, else the recorded absolute
-    path, else data/<dataset>/tokenizer.model. The first file whose sha256 matches the
-    checkpoint wins; another tokenizer would silently turn the model's ids into wrong text."""
-    try:  # imported here: only checkpoints with a tokenizer need it
-        import sentencepiece as spm
-    except ImportError:
-        raise UserError("this checkpoint's tokenizer needs sentencepiece: pip install "
-                        "sentencepiece") from None
-    if not isinstance(info, dict) or not info.get("sha256"):
-        if not override:  # trained from a dataset without tokenizer.model: nothing to check
-            raise UserError("the checkpoint records no tokenizer; pass --tokenizer=PATH")
-        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
-              file=sys.stderr)
-        return spm.SentencePieceProcessor(model_file=override)
-    recorded = info.get("path", "")
-    candidates = [override] if override else [
-        recorded, os.path.join(REPO, "data", str(info.get("dataset")), "tokenizer.model")]
-    mismatched = []
-    for path in filter(os.path.isfile, filter(None, candidates)):
-        if file_sha256(path) == info["sha256"]:
-            return spm.SentencePieceProcessor(model_file=path)
-        mismatched.append(path)
-    if mismatched and not override and recorded and not os.path.isfile(recorded):
-        # The run's file is gone (moved, most likely); the one found under data/<dataset>/ is
-        # another tokenizer, which says nothing about the run's having been retrained.
-        raise UserError(f"the run's tokenizer {recorded} is missing (moved or deleted), and "
-                        f"{mismatched[0]} is another tokenizer; pass the run's with "
-                        f"--tokenizer=PATH")
-    if mismatched:
-        raise UserError(f"tokenizer {mismatched[0]} does not match the checkpoint (sha256 "
-                        f"differs from {info['sha256'][:12]}...); it was retrained since, so "
-                        f"rebuild that dataset or pass the original with --tokenizer=PATH")
-    raise UserError(f"tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
-                    f"dataset '{info.get('dataset')}' again or pass --tokenizer=PATH")
-
-
-def rescale(model_args, rope_scaling, rope_factor):
-    """model_args with the inference-time RoPE scaling applied ("" / 0: keep the checkpoint's).
-    "none" means factor 1: it switches a checkpoint's scaling off. rope_original stays (absent
-    in older runs: block_size), so a fine-tuned run's window is its pretraining context * factor."""
-    scaling = rope_scaling or model_args.get("rope_scaling", "none")
-    if scaling == "none":
-        if rope_factor not in (0, 1):
-            raise UserError("rope_factor needs --rope_scaling=linear, ntk or yarn")
-        factor = 1.0
-    else:
-        factor = rope_factor or model_args.get("rope_factor", 1.0)
-        if model_args.get("pos_encoding") != "rope":
-            raise UserError(f"rope_scaling applies to RoPE models; this one uses "
-                            f"pos_encoding={model_args.get('pos_encoding')!r}")
-    return dict(model_args, rope_scaling=scaling, rope_factor=float(factor))
-
 
 def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=0.0):
     """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
@@ -111,26 +58,26 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
     except RuntimeError as e:  # weights of another shape or another model file
         raise UserError(misfit(ckpt_path, e)) from None
     model.eval().to(device=device, dtype=getattr(torch, dtype))
-    sp = load_tokenizer(ckpt.get("tokenizer"), tokenizer)
+    sp = run_tokenizer.load(run_tokenizer.find(out_dir, ckpt.get("tokenizer"), tokenizer))
     if sp.get_piece_size() > model.config.vocab_size:
         raise UserError(f"tokenizer has {sp.get_piece_size()} pieces, the model only "
                         f"{model.config.vocab_size}")
     return model, sp, ckpt
 
 
-def dataset_dir(ckpt):
+def dataset_dir(ckpt, gone_ok=False):
     """The folder of the run's dataset (val.bin, meta.json), for eval.py --split and export.py's
     check. A run records the folder it read (config data_dir, an absolute path): that folder, or
-    a UserError saying it is gone; never another corpus. Older checkpoints hold the --data_dir
-    given ("" or relative: no record) and keep the old search: that data_dir, the tokenizer's
-    folder, data/<dataset> (None when none is there). Either way a folder whose tokenizer.model
-    is not the run's is refused: its val.bin holds another vocabulary's ids."""
+    a UserError saying it is gone (None with gone_ok); never another corpus. Older checkpoints
+    hold the --data_dir given ("" or relative: no record) and keep the old search: that
+    data_dir, the tokenizer's folder, data/<dataset> (None when none is there). Either way a
+    folder whose tokenizer.model is not the run's is refused: its val.bin holds another
+    vocabulary's ids."""
     info = ckpt.get("tokenizer") or {}
     recorded = (ckpt.get("config") or {}).get("data_dir")
     recorded = recorded if recorded and os.path.isabs(recorded) else None
-    candidates = [recorded] if recorded else [
-        info.get("data_dir"), os.path.dirname(info.get("path") or ""),
-        os.path.join(REPO, "data", str(info.get("dataset")))]
+    candidates = [recorded] if recorded else [info.get("data_dir")] + [
+        os.path.dirname(p) for p in run_tokenizer.recorded_places(info)]
     found = [d for d in candidates
              if d and all(os.path.isfile(os.path.join(d, f)) for f in ("val.bin", "meta.json"))]
     for d in found:
@@ -141,15 +88,14 @@ def dataset_dir(ckpt):
         raise UserError(f"{found[0]} is not the dataset this run read: its tokenizer.model is "
                         f"{what} (the run's has sha256 {info['sha256'][:12]}...): prepared "
                         f"again since, or another corpus")
-    if recorded:
+    if recorded and not gone_ok:
         raise UserError(f"the run read its data from {recorded}, which is gone (no val.bin and "
                         f"meta.json there)")
     return None
 
 
 def tokenizer_sha256(folder):
-    path = os.path.join(folder, "tokenizer.model")
-    return file_sha256(path) if os.path.isfile(path) else None
+    return run_tokenizer.sha256(os.path.join(folder, run_tokenizer.NAME))
 
 
 def describe(out_dir, ckpt, model):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from data.dataset import open_split
-from lib import checkpoint, common, run
+from lib import checkpoint, common, run, run_tokenizer
 from lib.common import UserError, configure
 from model import RoFormerConfig
 
@@ -89,7 +89,8 @@ LOOP_KEYS = {"max_iters", "eval_interval", "eval_iters", "log_interval", "out_di
 defaults = {k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
             and isinstance(v, (bool, int, float, str))}
 assert set(MODEL_KEYS) <= set(defaults), "a RoFormerConfig field has no training config key"
-config = configure(defaults, sys.argv[1:])
+given = set()  # the keys the command line and config files set (init_from=RUN keeps the rest)
+config = configure(defaults, sys.argv[1:], given)
 globals().update(config)
 
 for keys, ok, rule in [  # 0 is meaningful for the second group: 0 iterations evaluate the start
@@ -160,7 +161,7 @@ config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
-ddir, meta = run.open_dataset(dataset, data_dir, master, ddp)
+ddir, meta = run.open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
 run_id, restarts = run.run_identity()
@@ -168,7 +169,8 @@ if init_from != "scratch" or restarts:  # starting from a checkpoint: lib/resume
     from lib import resume
 source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
 if init_from not in ("scratch", "resume"):
-    source, source_args = resume.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir)
+    source, source_args = resume.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir,
+                                               given, master)
     config.update(source_args, init_from=os.path.abspath(init_from))
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
@@ -182,6 +184,11 @@ resumed = ckpt is not None
 if resumed:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
     resume.check(ckpt, config, tokenizer, LOOP_KEYS, master)
+    if ckpt["iter_num"] >= max_iters:  # said, and nothing written: the checkpoint stays as it is
+        if master:
+            print(f"note: the checkpoint is at iteration {ckpt['iter_num']}, max_iters="
+                  f"{max_iters}: nothing to train (raise --max_iters)", flush=True)
+        parallel.finish() if ddp else sys.exit(0)
 else:
     run.move_aside(out_dir, master, ddp)  # another run's checkpoint is never overwritten
     model_args = {k: config[k] for k in MODEL_KEYS}
@@ -325,6 +332,7 @@ progress = run.Progress(start_iter, max_iters, tokens_per_iter,
                         world, master)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
+    run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)

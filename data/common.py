@@ -26,7 +26,8 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib.common import REPO, UserError, cli, error_line, file_sha256
+from lib import run_tokenizer
+from lib.common import REPO, UserError, cli, error_line
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
@@ -39,15 +40,11 @@ def given_tokenizer(path):
     if os.path.isdir(path) or zipfile.is_zipfile(path):  # a run: ckpt.pt is a zip archive
         from lib.checkpoint import read  # torch and the model: only a run needs them
         ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-        info = read(ckpt, mmap=True).get("tokenizer") or {}  # one line if not a checkpoint
-        # the file the run recorded, else data/<dataset>'s (as sample.py looks), by sha256
-        sha, name = info.get("sha256"), str(info.get("dataset"))
-        where = [info.get("path"), os.path.join(DATA_DIR, name, "tokenizer.model")]
-        found = [f for f in where if f and os.path.isfile(f) and file_sha256(f) == sha]
-        if not found:  # moved or retrained since, or a dataset without one (no sha256)
-            raise UserError(f"--tokenizer {path}: the run's tokenizer ({where[0]}, sha256 "
-                            f"{str(sha)[:12]}) is not there as it was; pass a .model file")
-        path = found[0]
+        info = read(ckpt, mmap=True).get("tokenizer")  # one line if not a checkpoint
+        try:  # the run folder's copy, else where an older run had it, by sha256
+            path = run_tokenizer.find(os.path.dirname(ckpt), info)
+        except UserError as e:  # moved or retrained since, or a dataset without one
+            raise UserError(f"--tokenizer {path}: {e}") from None
     with open(path, "rb") as f:
         model_bytes = f.read()
     try:  # (empty bytes would load as an uninitialised model that logs errors on every call)

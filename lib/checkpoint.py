@@ -1,6 +1,7 @@
 """
 Building the model, and ckpt.pt: train.py builds and saves here, lib/resume.py and sample.py's
-load_run read with `read`. What ckpt.pt holds, and why it is the commit point: docs/TRAINING.md.
+load_run read with `read` (and apply RoPE scaling flags to its model_args with `rescale`). What
+ckpt.pt holds, and why it is the commit point: docs/TRAINING.md.
 """
 import contextlib
 import functools
@@ -124,6 +125,24 @@ def read(path, mmap=False):
         raise UserError(f"cannot load {path}: it is not a checkpoint of this project (no model "
                         f"weights and model_args)")
     return ckpt
+
+
+def rescale(model_args, rope_scaling, rope_factor):
+    """model_args with RoPE scaling flags applied ("" / 0: keep the checkpoint's): sample.py's
+    and eval.py's at inference, train.py's init_from=RUN's. "none" means factor 1: it switches
+    a checkpoint's scaling off. rope_original stays (absent in older runs: block_size), so a
+    fine-tuned run's window is its pretraining context * factor."""
+    scaling = rope_scaling or model_args.get("rope_scaling", "none")
+    if scaling == "none":
+        if rope_factor not in (0, 1):
+            raise UserError("rope_factor needs --rope_scaling=linear, ntk or yarn")
+        factor = 1.0
+    else:
+        factor = rope_factor or model_args.get("rope_factor", 1.0)
+        if model_args.get("pos_encoding") != "rope":
+            raise UserError(f"rope_scaling applies to RoPE models; this one uses "
+                            f"pos_encoding={model_args.get('pos_encoding')!r}")
+    return dict(model_args, rope_scaling=scaling, rope_factor=float(factor))
 
 
 def misfit(path, err):

@@ -201,9 +201,12 @@ def run_config_file(path):
     return scope
 
 
-def configure(defaults, argv):
-    """`defaults` (name -> scalar) updated by the config files and --key=value in `argv`."""
+def configure(defaults, argv, given=None):
+    """`defaults` (name -> scalar) updated by the config files and --key=value in `argv`. The
+    keys they set are added to the set `given` if one is passed: a key set to its default value
+    is given all the same (train.py's init_from=RUN keeps RUN's value of a key not given)."""
     config, known = dict(defaults), sorted(defaults)
+    given = set() if given is None else given
     for arg in argv:
         if not arg.startswith("--"):  # a config file
             if not os.path.isfile(arg):
@@ -215,6 +218,7 @@ def configure(defaults, argv):
                     if key not in defaults:
                         raise unknown_key(key, known)
                     config[key] = coerce(key, value, defaults[key])
+                    given.add(key)
                 except UserError as e:
                     raise UserError(f"{arg}: {e}") from None
             continue
@@ -226,6 +230,7 @@ def configure(defaults, argv):
                 raise UserError(f"config key '{key}' needs a value: --{key}=...")
             text = "true"
         config[key] = coerce(key, parse_value(key, text, defaults[key]), defaults[key])
+        given.add(key)
     return config
 
 

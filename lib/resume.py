@@ -1,11 +1,13 @@
 """Starting from a checkpoint (train.py imports this only then): init_from=resume, or a torchrun
 restart of this run, continues it exactly; init_from=RUN starts a new run from RUN's weights."""
+import dataclasses
 import json
 import os
 from pathlib import Path
 
-from lib.checkpoint import misfit, read, set_rng_state
+from lib.checkpoint import misfit, read, rescale, set_rng_state
 from lib.common import UserError, atomic_write
+from model import RoFormerConfig
 
 
 def find(out_dir, asked, run_id, restarts, master):
@@ -17,13 +19,25 @@ def find(out_dir, asked, run_id, restarts, master):
     if not os.path.exists(path):
         return None
     ckpt = read(path, mmap=True)  # every rank reads the metadata; weights paged in when used
-    if asked:
-        return ckpt
-    if ckpt.get("run_id") != run_id:
+    if not asked and ckpt.get("run_id") != run_id:
         return None
-    if master:
+    check_format(ckpt, path)
+    if master and not asked:
         print(f"restart {restarts}: resuming from {path}", flush=True)
     return ckpt
+
+
+def check_format(ckpt, path):
+    """Refuse in one line a checkpoint train.py cannot start from: one without the tokenizer
+    record (nanoGPT's shape), or model_args with a key this model.py lacks (another version's:
+    dropping the key would silently build another model)."""
+    if not isinstance(ckpt.get("tokenizer"), dict):
+        raise UserError(f"{path} records no tokenizer: it was not written by this project's "
+                        f"train.py (a nanoGPT checkpoint?), so a run cannot start from it")
+    unknown = sorted(set(ckpt["model_args"]) - {f.name for f in dataclasses.fields(RoFormerConfig)})
+    if unknown:
+        raise UserError(f"{path}: model_args has {', '.join(unknown)}, which this model.py does "
+                        f"not know (written by another version of the code?)")
 
 
 def check(ckpt, config, tokenizer, loop_keys, master):
@@ -104,10 +118,12 @@ CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor", "rope_original", "d
                 "linear_chunk")
 
 
-def continue_from(source, config, model_keys, tokenizer, out_dir):
+def continue_from(source, config, model_keys, tokenizer, out_dir, given, master):
     """(RUN's checkpoint, the new run's model args) after the checks a refused start must make
     before out_dir is touched: RUN's tokenizer (sha256), every model-shape key equal to RUN's,
-    another out_dir. RUN's original context is kept (a second extension must not compound)."""
+    another out_dir. RUN's context extension is kept unless this command sets it (`given`: the
+    keys its flags and config files set), and its original context always (a second extension
+    must not compound); rank 0 says what the continuation uses."""
     path = os.path.join(source, "ckpt.pt") if os.path.isdir(source) else source
     if not os.path.isfile(path):
         raise UserError(f"init_from={source}: no such checkpoint file or run folder with ckpt.pt")
@@ -115,15 +131,12 @@ def continue_from(source, config, model_keys, tokenizer, out_dir):
         raise UserError(f"init_from={source} is out_dir itself: a new run needs its own out_dir "
                         f"(init_from=resume continues the same run)")
     ckpt = read(path, mmap=True)
+    check_format(ckpt, path)
     theirs = ckpt["model_args"]
-    if (ckpt.get("tokenizer") or {}).get("sha256") != tokenizer["sha256"]:
+    if ckpt["tokenizer"].get("sha256") != tokenizer["sha256"]:
         raise UserError(f"init_from={source} was trained with another tokenizer than "
                         f"{tokenizer['path']}: prepare this corpus with --tokenizer={source}")
-    args = {k: config[k] for k in model_keys}
-    if args["vocab_size"] == 0:  # not given: RUN's (perhaps padded past the tokenizer's)
-        args["vocab_size"] = theirs["vocab_size"]
-    args["rope_original"] = args["rope_original"] or theirs.get("rope_original") or \
-        theirs["block_size"]
+    args = context_args({k: config[k] for k in model_keys}, theirs, given)
     for k in model_keys:
         if k not in CONTEXT_KEYS and args[k] != theirs.get(k, args[k]):
             raise UserError(f"{k}={args[k]!r} but init_from={source} has {k}={theirs[k]!r}: the "
@@ -131,7 +144,37 @@ def continue_from(source, config, model_keys, tokenizer, out_dir):
     if args["pos_encoding"] == "learned" and args["block_size"] != theirs["block_size"]:
         raise UserError(f"pos_encoding='learned' has one row per position: block_size cannot "
                         f"change from init_from's {theirs['block_size']}")
+    if master:
+        print(context_line(source, args, theirs, given), flush=True)
     return ckpt, args
+
+
+def context_args(args, theirs, given):
+    """The new run's model args with RUN's context settings where this command leaves them
+    (vocab_size 0, rope_scaling and rope_factor not given, rope_original 0)."""
+    if args["vocab_size"] == 0:  # not given: RUN's (perhaps padded past the tokenizer's)
+        args["vocab_size"] = theirs["vocab_size"]
+    args["rope_original"] = args["rope_original"] or theirs.get("rope_original") or \
+        theirs["block_size"]
+    # RUN's scaling unless set here, by sample.py's and eval.py's rule ("" / 0: the checkpoint's)
+    scaled = rescale(theirs, args["rope_scaling"] if "rope_scaling" in given else "",
+                     args["rope_factor"] if "rope_factor" in given else 0)
+    args.update(rope_scaling=scaled["rope_scaling"], rope_factor=scaled["rope_factor"])
+    return args
+
+
+def context_line(source, args, theirs, given):
+    """The continuation's first line: the context it trains at, beside RUN's."""
+    def scaling(a):
+        return f"{a.get('rope_scaling', 'none')} x{float(a.get('rope_factor', 1.0)):g}"
+
+    def beside(mine, run):
+        return f"{mine} (as RUN)" if mine == run else f"{mine} (RUN: {run})"
+    rope = (f"{scaling(args)} (kept from RUN)" if not given & {"rope_scaling", "rope_factor"}
+            else beside(scaling(args), scaling(theirs)))
+    return (f"continuing from {source}: rope_scaling {rope}, block_size "
+            f"{beside(args['block_size'], theirs['block_size'])}, original context "
+            f"{args['rope_original']}")
 
 
 def load_weights(raw_model, weights, path):

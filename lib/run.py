@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from data.dataset import load_meta, open_split
+from lib import run_tokenizer
 from lib.common import REPO, UserError, atomic_write, file_sha256, make_out_dir
 
 
@@ -27,10 +28,11 @@ def barrier(ddp):
 # ----------------------------------------------------------------------------------------
 # the dataset
 
-def open_dataset(dataset, data_dir, master, ddp):
+def open_dataset(dataset, data_dir, master, ddp, named=True):
     """(folder, meta.json) of the dataset, with both splits checked against meta.json. The
     default corpus is built from this Python's standard library (no download, so the first
-    command works on a fresh clone): rank 0 builds it, the others wait at the barrier."""
+    command works on a fresh clone): rank 0 builds it, the others wait at the barrier. `named`:
+    --dataset was given (else a --data_dir folder's corpus is unknown, not the default's)."""
     ddir = data_dir or os.path.join(REPO, "data", dataset)
     needed = ["train.bin", "val.bin", "meta.json"]
     missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
@@ -45,8 +47,10 @@ def open_dataset(dataset, data_dir, master, ddp):
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
         from data.common import prepare_command  # only now: it imports the corpus tools
-        raise UserError(f"dataset '{dataset}' not found ({ddir} lacks {', '.join(missing)}); "
-                        f"build it with: {prepare_command(dataset, data_dir)}")
+        name = dataset if named or not data_dir else ""  # "": the user's text (data/text)
+        what = f"dataset '{name}'" if name else "the dataset"
+        raise UserError(f"{what} not found ({ddir} lacks {', '.join(missing)}); build it with: "
+                        f"{prepare_command(name, data_dir)}")
     meta = load_meta(ddir)
     for split in ("train", "val"):
         open_split(ddir, split, meta)
@@ -56,7 +60,9 @@ def open_dataset(dataset, data_dir, master, ddp):
 def tokenizer_identity(dataset, data_dir, ddir, meta):
     """What the checkpoint records about the tokenizer: sample.py finds the file by it and
     checks it by its sha256 (None for a dataset without tokenizer.model)."""
-    path = os.path.abspath(os.path.join(ddir, "tokenizer.model"))
+    path = os.path.abspath(os.path.join(ddir, run_tokenizer.NAME))
+    if os.path.exists(path):  # one line now, not a sentencepiece error at the first sample
+        run_tokenizer.load(path)
     return {"dataset": dataset, "data_dir": data_dir, "path": path,
             "sha256": file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),

@@ -1019,10 +1019,12 @@ def test_tokenizer_option_writes_the_bytes_a_normal_prepare_writes(prepared, tmp
 
 
 def test_tokenizer_option_takes_a_runs_and_the_run_resumes_on_the_new_corpus(prepared,
-                                                                             tmp_path):
+                                                                             tmp_path,
+                                                                             monkeypatch):
     """A run trained on corpus A; corpus B prepared with --tokenizer=RUN (its out_dir, or its
-    checkpoint file) gets A's tokenizer.model byte for byte, the sha256 the run recorded, and
-    train.py resumes the run on B (it refuses a dataset whose tokenizer's sha256 differs)."""
+    checkpoint file) gets A's tokenizer.model byte for byte (the copy the run folder keeps), the
+    sha256 the run recorded, and train.py resumes the run on B (it refuses a dataset whose
+    tokenizer's sha256 differs)."""
     import torch  # only here: the rest of data/ runs without it
     from test_train import TINY, load, train
     root, _, _ = prepared
@@ -1034,19 +1036,24 @@ def test_tokenizer_option_takes_a_runs_and_the_run_resumes_on_the_new_corpus(pre
         copied = (tmp_path / f"b{i}" / "tokenizer.model").read_bytes()
         assert copied == (root / "out" / "tokenizer.model").read_bytes()
         assert meta["tokenizer"]["sha256"] == hashlib.sha256(copied).hexdigest()
-        assert meta["tokenizer"]["copied_from"] == str(root / "out" / "tokenizer.model")
+        assert meta["tokenizer"]["copied_from"] == str(run / "tokenizer.model")
         assert meta["tokenizer"]["sha256"] == load(str(run))["tokenizer"]["sha256"]
     train(f"--data_dir={tmp_path / 'b0'}", f"--out_dir={run}", *TINY, "--max_iters=4",
           "--init_from=resume")
     assert load(str(run))["iter_num"] == 4
-    # A run whose tokenizer was moved away since: said in one line, nothing written.
+    # A run (from before run folders kept their tokenizer) whose tokenizer was moved away
+    # since: said in one line, nothing written.
     ckpt = load(str(run))
     ckpt["tokenizer"] = dict(ckpt["tokenizer"], path=str(tmp_path / "gone.model"))
     (tmp_path / "moved").mkdir()
     torch.save(ckpt, tmp_path / "moved" / "ckpt.pt")
+    from lib import run_tokenizer
+    monkeypatch.setattr(run_tokenizer, "REPO", str(tmp_path))  # no data/<dataset> there
     with pytest.raises(SystemExit) as e:
         prepare_with(tmp_path / "b", tmp_path / "b2", tmp_path / "moved")
-    assert "gone.model" in str(e.value.code) and "not there as it was" in str(e.value.code)
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: --tokenizer {tmp_path / 'moved'}: ") and "\n" not in msg
+    assert "gone.model" in msg and "not found" in msg
     assert not (tmp_path / "b2").exists()
 
 

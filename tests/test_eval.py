@@ -399,22 +399,24 @@ def as_trained_on(ckpt, data):
 
 
 def another_corpus_in_data_dataset(tmp_path, monkeypatch):
-    """data/<dataset> next to the scripts (sample.REPO, moved to tmp_path/repo) holds
-    another corpus with its own tokenizer: the folder the old search fell back to."""
-    import sample
+    """data/<dataset> next to the scripts (lib/run_tokenizer.py's REPO, moved to tmp_path/repo)
+    holds another corpus with its own tokenizer: the folder the old search fell back to."""
+    from lib import run_tokenizer
     repo = tmp_path / "repo"
     texts = [t for _, t in corpus_docs(12, seed=11)]
     common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
                    vocab_size=350, val_fraction=0.3, min_val_tokens=20, num_proc=1,
                    log=lambda *a: None)
-    monkeypatch.setattr(sample, "REPO", str(repo))
+    monkeypatch.setattr(run_tokenizer, "REPO", str(repo))
     return repo
 
 
 def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_path, monkeypatch):
     """train.py records the folder it read (absolute). --split reads that folder; when it is
     gone, or holds another tokenizer's ids, one line says so. The old search fell back to
-    data/<dataset> and scored another corpus (exit 0, or an IndexError half-way)."""
+    data/<dataset> and scored another corpus (exit 0, or an IndexError half-way). export.py's
+    check, which only tokenizes the validation text, goes without it when the folder is gone
+    (with a note), but never reads another tokenizer's ids."""
     import shutil
     import export
     ckpt = torch.load(os.path.join(run["out"], "ckpt.pt"), weights_only=True)
@@ -430,8 +432,10 @@ def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_
     msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={original}")
     assert str(data) in msg and "gone" in msg and "--input" in msg
     ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
-    msg = one_line_error(export.validation_text, ck, run["sp"])
-    assert str(data) in msg and "gone" in msg and "--check=False" in msg
+    capsys.readouterr()
+    assert export.validation_text(ck, run["sp"]) == ""
+    note = capsys.readouterr().err
+    assert note.startswith("note: ") and str(data) in note and "gone" in note
     # the folder is there but was prepared again with another tokenizer: its ids are not the
     # run's, even when the run's own tokenizer is passed with --tokenizer
     out, data = moved_run(run, tmp_path / "again", as_trained_on)
@@ -439,6 +443,9 @@ def test_split_reads_the_folder_the_run_read_and_never_another(run, capsys, tmp_
         shutil.copy(repo / "data" / "tiny" / fn, data / fn)
     msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={original}")
     assert str(data) in msg and "tokenizer.model is another" in msg
+    ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    msg = one_line_error(export.validation_text, ck, run["sp"])
+    assert str(data) in msg and "tokenizer.model is another" in msg and "--check=False" in msg
 
 
 def test_split_of_an_older_checkpoint_keeps_its_search(run, capsys, tmp_path, monkeypatch):
@@ -458,6 +465,66 @@ def test_split_of_an_older_checkpoint_keeps_its_search(run, capsys, tmp_path, mo
     shutil.rmtree(data)
     msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={tmp_path / 'original.model'}")
     assert str(repo / "data" / "tiny") in msg and "not the dataset this run read" in msg
+    # with no data/<dataset> either, the hint names the folder the run read, not --dataset's
+    shutil.rmtree(repo / "data" / "tiny")
+    msg = err(f"--out_dir={out}", "--split=val", f"--tokenizer={tmp_path / 'original.model'}")
+    assert "not found" in msg and f"prepare the run's dataset {data} again" in msg
+
+
+# --- a run folder needs nothing outside it (issue 35) ------------------------------------------
+
+def test_a_run_needs_nothing_outside_its_folder(run, capsys, tmp_path):
+    """train.py keeps the dataset's tokenizer.model in out_dir. Once the run's dataset folder is
+    prepared again from another corpus (another tokenizer), sample.py and eval.py on a text file
+    give what they gave before; once it is deleted, export.py writes the same files, prepare
+    --tokenizer=RUN encodes with the run's tokenizer and --init_from=RUN starts from its
+    weights. All of these used to look for the tokenizer in the dataset folder only."""
+    import shutil
+    import export
+    import sample
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    from pathlib import Path
+    tok = Path(run["data"], "tokenizer.model").read_bytes()
+    assert Path(run["out"], "tokenizer.model").read_bytes() == tok  # train.py's copy
+    out, data = tmp_path / "out", tmp_path / "data"  # a copy of the run we may break
+    shutil.copytree(run["out"], out)
+    shutil.copytree(run["data"], data)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    as_trained_on(ckpt, str(data))
+    torch.save(ckpt, out / "ckpt.pt")
+
+    def results(hf_dir):
+        capsys.readouterr()
+        sample.main([f"--out_dir={out}", "--start=def ", "--temperature=0", "--max_new_tokens=12"])
+        text = capsys.readouterr().out
+        scores = json_eval(capsys, f"--out_dir={out}", f"--input={run['root'] / 'long.txt'}")
+        export.main([f"--out_dir={out}", f"--hf_dir={hf_dir}", "--check=False"])
+        files = {f: (hf_dir / f).read_bytes() for f in sorted(os.listdir(hf_dir))}
+        return text, scores, files
+    before = results(tmp_path / "hf0")
+    texts = [t for _, t in corpus_docs(12, seed=11)]
+    common.prepare(str(data), "tiny", [("d", "docs", lambda: texts)], "test", vocab_size=350,
+                   val_fraction=0.3, min_val_tokens=20, num_proc=1, log=lambda *a: None)
+    assert (data / "tokenizer.model").read_bytes() != tok
+    assert results(tmp_path / "hf1") == before
+    shutil.rmtree(data)
+    assert results(tmp_path / "hf2") == before
+    # a new corpus for the run's tokenizer, and a run that starts from its weights
+    texts = [t for _, t in corpus_docs(24, seed=12)]
+    common.prepare(str(tmp_path / "b"), "b", [("d", "docs", lambda: texts)], "test",
+                   val_fraction=0.2, min_val_tokens=3 * BLOCK, num_proc=1, tokenizer=str(out),
+                   log=lambda *a: None)
+    assert (tmp_path / "b" / "tokenizer.model").read_bytes() == tok
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--data_dir={tmp_path / 'b'}",
+           f"--out_dir={tmp_path / 'new'}", f"--init_from={out}", "--device=cpu",
+           "--dtype=float32", "--compile=False", "--n_layer=2", "--n_head=2", "--n_embd=32",
+           f"--block_size={BLOCK}", "--batch_size=8", "--eval_iters=2", "--max_iters=0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    new = torch.load(tmp_path / "new" / "ckpt.pt", weights_only=True)["model"]
+    assert new.keys() == ckpt["model"].keys()
+    assert all(torch.equal(new[k], ckpt["model"][k]) for k in new)
 
 
 # --- window lengths, local windows and passkey retrieval (issue 30) ---------------------------

@@ -414,7 +414,9 @@ def test_tokenizer_missing_or_mismatched(ws, capsys, tmp_path):
                                       dataset="no_such_dataset"))
     (tmp_path / "a").mkdir()
     torch.save(moved, tmp_path / "a" / "ckpt.pt")
-    assert "tokenizer not found" in err(capsys, f"--out_dir={tmp_path / 'a'}")
+    msg = err(capsys, f"--out_dir={tmp_path / 'a'}")
+    # the hint names the folder the run read, not --dataset's data/<name>
+    assert "tokenizer not found" in msg and f"prepare the run's dataset {tmp_path} again" in msg
     # the same bytes elsewhere are accepted via --tokenizer
     shutil.copy(ws["data"] / "tokenizer.model", tmp_path / "copy.model")
     assert run(capsys, f"--out_dir={tmp_path / 'a'}", f"--tokenizer={tmp_path / 'copy.model'}",
@@ -429,7 +431,8 @@ def test_moved_tokenizer_is_reported_as_missing_not_retrained(ws, capsys, tmp_pa
     """The recorded tokenizer is gone and data/<dataset>/tokenizer.model holds another one:
     the message says the run's file is missing and how to point to it, not "retrained"; the
     file at the new place is then accepted."""
-    monkeypatch.setattr(sample, "REPO", str(tmp_path))
+    from lib import run_tokenizer
+    monkeypatch.setattr(run_tokenizer, "REPO", str(tmp_path))  # where data/<dataset> is
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     train_tokenizer(str(tmp_path / "data" / "tiny" / "tokenizer.model"), byte_fallback=False)
     ckpt = torch.load(os.path.join(ws["softmax"], "ckpt.pt"), weights_only=True)
@@ -442,6 +445,20 @@ def test_moved_tokenizer_is_reported_as_missing_not_retrained(ws, capsys, tmp_pa
     shutil.copy(ws["data"] / "tokenizer.model", tmp_path / "moved.model")
     assert run(capsys, f"--out_dir={tmp_path / 'run'}", f"--tokenizer={tmp_path / 'moved.model'}",
                "--max_new_tokens=3").out
+
+
+def test_a_truncated_tokenizer_is_one_line(ws, capsys, tmp_path):
+    """A run that recorded a truncated tokenizer.model (train.py used to accept one): one line
+    naming the file, not sentencepiece's `RuntimeError: INTERNAL: could not parse ModelProto`."""
+    path = tmp_path / "tokenizer.model"
+    blob = (ws["data"] / "tokenizer.model").read_bytes()
+    path.write_bytes(blob[:len(blob) // 2])
+    ckpt = torch.load(os.path.join(ws["softmax"], "ckpt.pt"), weights_only=True)
+    ckpt["tokenizer"] = dict(ckpt["tokenizer"], path=str(path),
+                             sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    msg = err(capsys, f"--out_dir={tmp_path}")
+    assert "cannot load the tokenizer" in msg and str(path) in msg
 
 
 def test_prompt_the_tokenizer_cannot_encode(ws, capsys, tmp_path):

@@ -4,6 +4,7 @@ a failing run, the files themselves (sha256) for the tokenizer identity."""
 import atexit
 import glob
 import hashlib
+import io
 import json
 import os
 import re
@@ -41,6 +42,18 @@ def make_data(d):
         json.dump({"name": "tiny", "vocab_size": V, "dtype": "uint16", "eos_id": 0,
                    "bos_id": 1}, f)
     return d
+
+
+def tokenizer_model(path, text):
+    """A small sentencepiece model trained on `text` (sentences split at ". ") written to path:
+    train.py refuses a tokenizer.model that sentencepiece cannot load. Returns its bytes."""
+    spm = pytest.importorskip("sentencepiece")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text.split(". ")), model_writer=buf,
+                                   vocab_size=64, hard_vocab_limit=False, minloglevel=2)
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -154,16 +167,37 @@ def test_batches_pin_the_contiguous_window(data, tmp_path):
 
 
 def test_tokenizer_identity_is_the_file_hash(tmp_path):
+    """The checkpoint records the dataset's tokenizer by its sha256, and the run folder keeps
+    the file itself (a later prepare into the dataset folder may replace it): written by a
+    fresh run, and again by a resume that finds it missing."""
     d = make_data(str(tmp_path / "data"))
-    blob = os.urandom(1000)
-    with open(os.path.join(d, "tokenizer.model"), "wb") as f:
-        f.write(blob)
+    blob = tokenizer_model(os.path.join(d, "tokenizer.model"), "the cat sat. a dog ran")
     out = str(tmp_path / "out")
     train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=1")
     tok = load(out)["tokenizer"]
     assert tok["sha256"] == hashlib.sha256(blob).hexdigest()
     assert tok["path"] == os.path.abspath(os.path.join(d, "tokenizer.model"))
     assert tok["data_dir"] == d and tok["eos_id"] == 0 and tok["bos_id"] == 1
+    kept = os.path.join(out, "tokenizer.model")
+    assert open(kept, "rb").read() == blob
+    os.remove(kept)
+    train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=2", "--init_from=resume")
+    assert open(kept, "rb").read() == blob and load(out)["iter_num"] == 2
+
+
+def test_a_truncated_tokenizer_is_one_line_before_training(tmp_path):
+    """train.py used to train on it and record its hash; sample, eval and export then failed
+    with sentencepiece's `RuntimeError: INTERNAL: could not parse ModelProto`."""
+    d = make_data(str(tmp_path / "data"))
+    path = os.path.join(d, "tokenizer.model")
+    blob = tokenizer_model(path, "the cat sat. a dog ran")
+    with open(path, "wb") as f:
+        f.write(blob[:len(blob) // 2])
+    out = str(tmp_path / "out")
+    line = one_line_error(train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=1",
+                                check=False))
+    assert "cannot load the tokenizer" in line and path in line
+    assert not os.path.exists(out)
 
 
 def test_the_checkpoint_records_the_data_folder_it_read(data, tmp_path):
@@ -1027,8 +1061,7 @@ def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tm
     positions asked to change block_size."""
     other_tok = str(tmp_path / "other_tok")
     shutil.copytree(data, other_tok)
-    with open(os.path.join(other_tok, "tokenizer.model"), "wb") as f:
-        f.write(b"not the run's tokenizer")
+    tokenizer_model(os.path.join(other_tok, "tokenizer.model"), "not the run's. tokenizer")
     cases = [([f"--data_dir={data}", "--n_embd=64"], "n_embd=64"),
              ([f"--data_dir={data}", "--attention=linear"], "attention="),
              ([f"--data_dir={other_tok}"], "another tokenizer"),
@@ -1046,3 +1079,99 @@ def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tm
     r = train(f"--data_dir={data}", *TINY, f"--out_dir={base_run}", f"--init_from={base_run}",
               "--max_iters=2", check=False)
     assert r.returncode == 1 and "own out_dir" in r.stderr and load(base_run)["iter_num"] == before
+
+
+def extended(base_run, folder):
+    """base_run's checkpoint as if it were a YaRN x4 extension to block_size 128 (RoPE has no
+    weights, so the weights fit as they are)."""
+    ck = load(base_run)
+    ext = dict(block_size=128, rope_scaling="yarn", rope_factor=4.0, rope_original=32)
+    ck["model_args"] = dict(ck["model_args"], **ext)
+    ck["config"] = dict(ck["config"], **ext)
+    os.makedirs(folder)
+    torch.save(ck, os.path.join(folder, "ckpt.pt"))
+    return folder
+
+
+def test_a_continuation_keeps_runs_context_extension_unless_told(data, base_run, tmp_path):
+    """--init_from=RUN of a YaRN run without repeating --rope_scaling/--rope_factor used to
+    train with scaling off (a higher loss at iteration 0, same weights). It is the run that
+    passes them explicitly: same model args, same loss at iteration 0; the first line says so."""
+    ext = extended(base_run, str(tmp_path / "ext"))
+    common = [f"--data_dir={data}", *TINY, f"--init_from={ext}", "--block_size=128",
+              "--max_iters=0"]
+    kept = train(*common, f"--out_dir={tmp_path / 'kept'}")
+    train(*common, f"--out_dir={tmp_path / 'told'}", "--rope_scaling=yarn", "--rope_factor=4")
+    a, b = load(str(tmp_path / "kept")), load(str(tmp_path / "told"))
+    assert a["model_args"] == b["model_args"] and a["model_args"]["rope_scaling"] == "yarn"
+    assert log(str(tmp_path / "kept"))[0]["val_loss"] == log(str(tmp_path / "told"))[0]["val_loss"]
+    assert f"continuing from {ext}: rope_scaling yarn x4 (kept from RUN)" in kept.stdout
+
+
+def test_the_continuations_scaling_flags_override_runs_one_by_one():
+    """init_from=RUN: a scaling key given replaces RUN's, one not given is RUN's ("none" is
+    factor 1), by sample.py's rule for the same flags."""
+    sys.path.insert(0, ROOT)
+    from lib.common import UserError
+    from lib.resume import context_args
+    theirs = dict(vocab_size=64, block_size=128, rope_scaling="yarn", rope_factor=4.0,
+                  rope_original=32, pos_encoding="rope")
+    mine = dict(theirs, vocab_size=0, rope_scaling="none", rope_factor=1.0, rope_original=0)
+
+    def scaling(args, given):
+        out = context_args(dict(args), theirs, set(given))
+        return out["rope_scaling"], out["rope_factor"], out["rope_original"], out["vocab_size"]
+    assert scaling(mine, []) == ("yarn", 4.0, 32, 64)
+    assert scaling(mine, ["rope_scaling"]) == ("none", 1.0, 32, 64)
+    assert scaling(dict(mine, rope_factor=8.0), ["rope_factor"]) == ("yarn", 8.0, 32, 64)
+    assert scaling(dict(mine, rope_scaling="ntk"), ["rope_scaling"]) == ("ntk", 4.0, 32, 64)
+    theirs.update(rope_scaling="none", rope_factor=1.0)
+    with pytest.raises(UserError, match="rope_factor needs --rope_scaling"):
+        scaling(dict(mine, rope_factor=4.0), ["rope_factor"])
+
+
+@pytest.mark.parametrize("damage", ["nanogpt", "unknown_key"])
+def test_a_checkpoint_train_cannot_start_from_is_one_line(base_run, tmp_path, damage):
+    """A nanoGPT-shaped ckpt.pt (no "tokenizer") used to end in KeyError: 'tokenizer' on resume;
+    model_args with a key this model.py lacks, in a TypeError. Both refused in one line by resume
+    and by init_from=RUN alike."""
+    sys.path.insert(0, ROOT)
+    from lib import resume
+    from lib.common import UserError
+    base = load(base_run)
+    ck = dict(base)
+    if damage == "nanogpt":
+        del ck["tokenizer"], ck["rng"], ck["run_id"]
+    else:
+        ck["model_args"] = dict(ck["model_args"], qk_gain=2.0)
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(ck, out / "ckpt.pt")
+    words = "records no tokenizer" if damage == "nanogpt" else "model_args has qk_gain"
+    with pytest.raises(UserError, match=words):
+        resume.find(str(out), True, "run", 0, False)
+    with pytest.raises(UserError, match=words):
+        resume.continue_from(str(out), base["config"], list(base["model_args"]),
+                             base["tokenizer"], str(tmp_path / "new"), set(), False)
+
+
+def test_a_resume_with_nothing_to_train_says_so_and_writes_nothing(data, trained, tmp_path):
+    """max_iters at (or below) the checkpoint's iteration used to exit 0 silently, having
+    rewritten the checkpoint with this command's config."""
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    before = tree(out)
+    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2",
+              "--init_from=resume")
+    assert "the checkpoint is at iteration 2, max_iters=2: nothing to train" in r.stdout
+    assert tree(out) == before
+
+
+def test_the_hint_for_a_missing_data_dir_does_not_name_the_default_dataset(tmp_path):
+    """--data_dir without --dataset: the folder's corpus is not data/pystdlib's, and the hint
+    used to build the standard library's corpus into it."""
+    d = str(tmp_path / "corpus")
+    line = one_line_error(train(f"--out_dir={tmp_path / 'out'}", f"--data_dir={d}", *TINY,
+                                check=False))
+    assert "pystdlib" not in line
+    assert f"python data/text/prepare.py --input PATH --out_dir {d}" in line
