@@ -64,12 +64,21 @@ class RoFormerConfig:
             (rope and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
              f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
             (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
-            (self.rope_base <= 1.0 or self.rope_factor < 1.0, "rope_base must be > 1 and "
-             f"rope_factor >= 1, got {self.rope_base} and {self.rope_factor}"),
+            (not (1.0 < self.rope_base < math.inf and 1.0 <= self.rope_factor < math.inf),
+             f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
+             f"{self.rope_base} and {self.rope_factor}"),
             (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor={self.rope_factor}"
              " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
             if wrong:
                 raise ValueError(why)
+        # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
+        # base overflows a float (OverflowError) long before: both are factors no one means
+        window = self.original_context * self.rope_factor
+        if window >= 2 ** 53 or (rope and self.rope_scaling == "ntk" and math.log(
+                self.rope_base) + math.log(self.rope_factor) * hd / (hd - 2) > 700):
+            raise ValueError(f"rope_factor={self.rope_factor:g} is too large: a window of "
+                             f"{window:.3g} positions (rope_original x rope_factor) cannot be "
+                             f"computed exactly")
 
 
 def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
@@ -295,7 +304,7 @@ class RoFormer(nn.Module):
         # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
         for name in ("rope_cos", "rope_sin", "sin_emb"):
             self.register_buffer(name, torch.empty(0), persistent=False)
-        self.pos_tables(cfg.context_window, "cpu")
+        self.pos_tables(cfg.block_size, "cpu")  # not the window: a forward grows them
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 

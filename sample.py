@@ -87,6 +87,8 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
     """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
     checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) change the
     rotation at inference, which needs no retraining."""
+    if not out_dir:
+        raise UserError("out_dir is empty: pass the run's folder, --out_dir=DIR")
     if not os.path.isdir(out_dir):
         raise UserError(f"out_dir {out_dir!r} does not exist (train first, or pass --out_dir=DIR)")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")

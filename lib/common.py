@@ -7,6 +7,7 @@ import ast
 import difflib
 import functools
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -115,6 +116,8 @@ def atomic_write(path, write, check=None, tmp=None):
 def make_out_dir(path, what="out_dir"):
     """Create `path` if needed and prove now, before any long work, that files can be written
     there. Returns True when this call created it (a failure removes it again while empty)."""
+    if not path:  # '' is no folder; os.makedirs would say "No such file or directory: ''"
+        raise UserError(f"{what} is empty: pass a folder")
     created = not os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
@@ -161,10 +164,12 @@ def coerce(key, value, default):
     if default is None:
         return value
     if type(default) is float and type(value) is int:
-        return float(value)
+        value = float(value) if abs(value) < 2 ** 1024 else math.inf  # refused below
     if type(value) is not type(default):
         raise UserError(f"config key '{key}' must be {type(default).__name__} (default "
                         f"{default!r}), got {value!r} ({type(value).__name__})")
+    if type(value) is float and not math.isfinite(value):  # 1e999 reads as inf; no key takes it
+        raise UserError(f"config key '{key}' must be a finite number, got {value!r}")
     return value
 
 

@@ -86,6 +86,21 @@ def test_a_sequence_for_a_known_key_in_a_config_file_is_an_error(tmp_path, line)
     assert "\n" not in msg and "c.py" in msg and line.split()[0] in msg, msg
 
 
+@pytest.mark.parametrize("argv", [["--learning_rate=1e999"], ["--learning_rate=-1e999"],
+                                  [f"--learning_rate={10 ** 400}"], ["FILE:learning_rate = float('nan')"]])
+def test_a_float_that_is_not_finite_is_one_line_naming_the_key(tmp_path, argv):
+    """1e999 reads as inf: --learning_rate=1e999 trained one step and logged "lr": Infinity,
+    --rope_base=1e999 exported invalid JSON. Every float key refuses inf and nan in one place."""
+    f = tmp_path / "c.py"
+    if argv[0].startswith("FILE:"):
+        f.write_text(argv[0][5:] + "\n")
+        argv = [str(f)]
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, argv)
+    assert "\n" not in str(e.value) and "learning_rate" in str(e.value) and "finite" in str(e.value)
+    assert configure(DEFAULTS, ["--learning_rate=1e308"])["learning_rate"] == 1e308
+
+
 def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     """torch 2.13's is_bf16_supported() is True on a T4 or V100, where bf16 is only emulated
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
