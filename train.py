@@ -172,7 +172,7 @@ if init_from not in ("scratch", "resume"):
     config.update(source_args, init_from=os.path.abspath(init_from))
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
-run.prepare_out_dir(out_dir)
+run.prepare_out_dir(out_dir, master)  # rank 0 locks it for the run
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 # init_from=resume, or a torchrun restart of this very run (never another run's checkpoint)

@@ -21,14 +21,15 @@ class UserError(Exception):
 
 
 created_dirs = []  # folders this command made: a failure removes them again while empty
+created_files = []  # files that mean nothing once it fails (train.py's out_dir lock)
 
 
 def error_line(msg):
     """The one place a user error ends: the line `error: msg`, and no empty folder this
-    command made left behind."""
+    command made left behind (empty but for its created_files)."""
     for d in created_dirs:
-        if os.path.isdir(d) and not os.listdir(d):
-            os.rmdir(d)
+        if os.path.isdir(d) and all(os.path.join(d, f) in created_files for f in os.listdir(d)):
+            shutil.rmtree(d, ignore_errors=True)
     return f"error: {msg}"
 
 

@@ -16,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 from data.dataset import load_meta, open_split
-from lib.common import REPO, UserError, atomic_write, file_sha256, make_out_dir
+from lib.common import (REPO, UserError, atomic_write, created_files, file_sha256,
+                        make_out_dir)
 
 
 def barrier(ddp):
@@ -83,16 +84,53 @@ def run_identity():
     return os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex, restarts
 
 
-def prepare_out_dir(out_dir):
+def prepare_out_dir(out_dir, master=True):
     """Create out_dir and prove now that the run can write there, its log included: an hour of
-    training lost to a typo'd path is worse than one line at the start."""
+    training lost to a typo'd path is worse than one line at the start. Rank 0 then holds the
+    folder's lock for the whole run."""
     make_out_dir(out_dir)
+    if master:
+        lock_out_dir(out_dir)
     log_path = os.path.join(out_dir, "log.jsonl")
     try:
         if os.path.lexists(log_path):
             open(log_path, "a").close()
     except OSError as e:
         raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})") from None
+
+
+out_dir_lock = []  # the open lock file: the lock lasts as long as this process
+
+
+def lock_out_dir(out_dir):
+    """Refuse a second run into the same out_dir while one trains there: their logs interleaved
+    and each deleted the other's temporary checkpoint. An flock on out_dir/.train.lock, which
+    the OS releases when the process ends however it ends (a crash or SIGKILL leaves no stale
+    lock); the file holds the pid, for the message. Skipped where there is no fcntl
+    (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    path = os.path.join(out_dir, ".train.lock")
+    new = not os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: held by a live process
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise UserError(f"out_dir {out_dir} is in use by another training run"
+                        f"{f' (pid {holder})' if holder.isdigit() else ''}: wait for it to "
+                        f"finish, or pass another --out_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    out_dir_lock.append(fd)
+    if new:  # a failed command removes the folder it made, this file included
+        created_files.append(path)
 
 
 def cxx_compiler_found():
