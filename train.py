@@ -322,7 +322,8 @@ if wandb_log and master:
 peak = run.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
 progress = run.Progress(start_iter, max_iters, tokens_per_iter,
                         run.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
-                        world, master)
+                        world, master, forget_peak=(lambda: run.forget_cpu_peak(ptdtype))
+                        if device_type == "cpu" else None)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "

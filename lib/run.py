@@ -254,25 +254,43 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
+def cpu_peak_table(dtype):
+    """(the cache file of CPU peaks, its table, this process's key in it)."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                         "roformer", "cpu_peak.json")
+    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch " \
+          f"{torch.__version__}"
+    table = None
+    with contextlib.suppress(OSError, ValueError), open(cache) as f:
+        table = json.load(f)
+    return cache, table if isinstance(table, dict) else {}, key
+
+
+def save_cpu_peaks(cache, table):
+    with contextlib.suppress(OSError):  # a read-only home: time it again next run
+        atomic_write(cache, lambda tmp: Path(tmp).write_text(json.dumps(table)))
+
+
+def forget_cpu_peak(dtype):
+    """Drop this CPU's cached peak: an MFU above 100% proved it too low (timed while the
+    machine was busy), so the next run times it again."""
+    cache, table, key = cpu_peak_table(dtype)
+    if table.pop(key, None) is not None:
+        save_cpu_peaks(cache, table)
+
+
 def cpu_peak_flops(dtype, ddp):
     """One process's CPU peak in `dtype`: time_matmul's rate, timed once per CPU model, thread
     count, dtype and torch version and kept in ~/.cache/roformer/cpu_peak.json (delete it to
-    time again), so a short run does not pay for the probe. Under DDP rank 0 times it alone and
-    shares it: ranks timing at once on shared cores would each measure a fraction of it."""
+    time again; forget_cpu_peak drops one a run disproved), so a short run does not pay for
+    the probe. Under DDP rank 0 times it alone and shares it: ranks timing at once on shared
+    cores would each measure a fraction of it."""
     peak = torch.zeros((), dtype=torch.float64)
     if not ddp or torch.distributed.get_rank() == 0:
-        cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                             "roformer", "cpu_peak.json")
-        key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch " \
-              f"{torch.__version__}"
-        table = None
-        with contextlib.suppress(OSError, ValueError), open(cache) as f:
-            table = json.load(f)
-        table = table if isinstance(table, dict) else {}
+        cache, table, key = cpu_peak_table(dtype)
         if not isinstance(table.get(key), float):
             table[key] = time_matmul(dtype)
-            with contextlib.suppress(OSError):  # a read-only home: time it again next run
-                atomic_write(cache, lambda tmp: Path(tmp).write_text(json.dumps(table)))
+            save_cpu_peaks(cache, table)
         peak.fill_(table[key])
     if ddp:
         torch.distributed.broadcast(peak, src=0)
@@ -300,10 +318,12 @@ def stop_on_signals():
 class Progress:
     """Rank 0's progress: a tqdm bar on a terminal; under a pipe or a file (CI, SLURM, `> log`)
     one plain line per log_interval, since a bar's carriage-return updates would write
-    megabytes there. Tokens/s is smoothed over steps, the first (compilation) ones skipped."""
+    megabytes there. Tokens/s is smoothed over steps, the first (compilation) ones skipped.
+    An MFU above 100% cannot be right: the peak is wrong (a CPU's, timed while the machine was
+    busy), so it is n/a from then on and forget_peak() drops the cached peak it disproved."""
 
     def __init__(self, start_iter, max_iters, tokens_per_iter, flops_per_token, peak, world,
-                 master):
+                 master, forget_peak=None):
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=max_iters, initial=start_iter, dynamic_ncols=True, unit="it",
                         disable=not master or not self.interactive)
@@ -311,6 +331,7 @@ class Progress:
         self.tokens_per_iter, self.tok_s = tokens_per_iter, None
         # MFU is per device: the FLOPs of one device's share of the tokens over its peak
         self.mfu_per_tok = flops_per_token / world / peak if peak else None
+        self.forget_peak = forget_peak
 
     def log(self, iter_num, loss, grad_norm, dt):
         rate = self.tokens_per_iter / dt
@@ -319,6 +340,14 @@ class Progress:
         post = {"loss": f"{loss:.4f}", "gnorm": f"{grad_norm:.3f}"}
         if self.tok_s:
             mfu = self.mfu_per_tok and self.mfu_per_tok * self.tok_s
+            if mfu and mfu > 1:
+                self.mfu_per_tok = mfu = None
+                self.write("note: MFU came out above 100%: the peak it is measured against is "
+                           "too low (timed while the machine was busy?); MFU is n/a for this "
+                           "run" + (", and the peak is timed again next run"
+                                    if self.forget_peak else ""))
+                if self.forget_peak:
+                    self.forget_peak()
             post["tok/s"] = f"{self.tok_s:,.0f}"  # all ranks together
             post["mfu"] = f"{100 * mfu:.1f}%" if mfu else "n/a"
         if self.interactive:

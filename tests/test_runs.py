@@ -38,6 +38,31 @@ def test_cpu_peak_is_timed_once_per_machine_setup(tmp_path, monkeypatch):
     assert runs.cpu_peak_flops(torch.float32, ddp=False) == 3e9
 
 
+def test_an_mfu_above_100_percent_is_na_and_the_peak_it_disproves_is_timed_again(
+        tmp_path, monkeypatch, capsys):
+    """A CPU peak timed while the machine was busy stayed cached and too low: every later run
+    printed MFUs like 196.6%. The reference is the definition: MFU = FLOP/s done / peak, so a
+    run doing 2x the cached peak must print no percentage; n/a, and the next peak is timed
+    anew (a counter on the timing function). A plausible MFU is still printed as computed."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(runs, "time_matmul", lambda dtype: timed.append(dtype) or 1e9)
+    peak = runs.cpu_peak_flops(torch.float32, ddp=False)
+    flops_per_token, tokens_per_iter = 1e6, 100
+    for doing, shown in ((0.5, "mfu 50.0%"), (2.0, "mfu n/a")):  # FLOP/s done / peak
+        p = runs.Progress(0, 10, tokens_per_iter, flops_per_token, peak, 1, True,
+                          forget_peak=lambda: runs.forget_cpu_peak(torch.float32))
+        p.interactive = False  # plain lines, whatever pytest's stderr is
+        dt = tokens_per_iter * flops_per_token / (doing * peak)
+        capsys.readouterr()
+        for it in range(1, 6):
+            p.log(it, 1.0, 1.0, dt)
+        out = capsys.readouterr().out
+        assert shown in out.splitlines()[-1], out
+    assert "%" not in out.replace("100%", "")  # no figure above 100 printed at any step
+    assert runs.cpu_peak_flops(torch.float32, ddp=False) == 1e9 and len(timed) == 2
+
+
 def test_the_real_probe_measures_a_plausible_rate(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     peak = runs.cpu_peak_flops(torch.float32, ddp=False)
