@@ -620,9 +620,11 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
     torch.testing.assert_close(logits.double(), reference_forward(m, idx), atol=1e-5, rtol=1e-4,
                                msg=lambda m: f"{m}\n{PINNED}")
     generate(m, idx[:1, :4], 40, temperature=0, use_cache=True)  # positions past block_size
-    assert len(built) == 1 and m.sin_emb.size(0) == 44  # grown once, to the whole generation
-    naive = torch.tensor([math.sin(43 * 10000 ** (-2 * i / 16)) for i in range(8)])
-    torch.testing.assert_close(m.sin_emb[43, :8], (0.02 * math.sqrt(2) * naive).float())
+    # issue 35: no longer grown to the whole generation; the step's rows slide in place (at
+    # positions 16 and 32), slot p % 16 holding position p, up to 42, the last one fed
+    assert len(built) == 2 and m.sin_emb.size(0) == 16
+    naive = torch.tensor([math.sin(42 * 10000 ** (-2 * i / 16)) for i in range(8)])
+    torch.testing.assert_close(m.sin_emb[42 % 16, :8], (0.02 * math.sqrt(2) * naive).float())
 
 
 def test_params_and_flops():
