@@ -940,6 +940,21 @@ def test_accumulation_that_the_processes_cannot_share_is_said_once(data, tmp_pat
     assert not out.exists()
 
 
+def test_a_mistake_every_rank_hits_is_said_once_without_a_rank_prefix(data, tmp_path):
+    """A user error after the process group started was printed by every rank, each line
+    prefixed by torch's "[rankN]: ". Now the one line, once, as a single process says it
+    (the reference: the same command without torchrun). torchrun's own summary may follow."""
+    args = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY, "--vocab_size=10",
+            "--gradient_accumulation_steps=2"]
+    alone = one_line_error(train(*args, check=False))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", TRAIN, *args],
+                       capture_output=True, text=True, cwd=ROOT, env=env())
+    assert r.returncode != 0
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "vocab_size=10" in ln]
+    assert said == [alone], r.stderr[-3000:]
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="a PATH without a compiler, POSIX style")
 def test_compile_without_a_cxx_compiler_falls_back_to_eager_in_one_warning(data, tmp_path):
     """--compile=True (train.py's default) on a CPU machine without a C++ compiler ended in
