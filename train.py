@@ -195,6 +195,8 @@ except ValueError as e:
 model_args = dataclasses.asdict(mconf)
 config.update(model_args)  # the checkpoint records the model that ran, not the command line
 block_size = mconf.block_size
+run.check_fits(run.training_memory(mconf, batch_size, world if fsdp else 1,  # before allocating
+                                   activation_checkpointing), dev)
 run.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
 
 

@@ -133,6 +133,40 @@ def lock_out_dir(out_dir):
         created_files.append(path)
 
 
+def training_memory(mconf, batch_size, shards=1, checkpointing=False):
+    """Bytes one training process needs at the least, roughly: 16 per parameter (float32
+    weights and gradients, AdamW's two moments; FSDP shards them over `shards` ranks) and one
+    micro-batch's float32 activations (about 16 numbers per token and channel in each layer
+    kept for backward, 2 with activation checkpointing) and logits with their gradient."""
+    d, layers, vocab = mconf.n_embd, mconf.n_layer, mconf.vocab_size
+    params = 12 * layers * d * d + vocab * d  # attention 4 d^2, MLP 8 d^2, the tied embedding
+    per_token = layers * d * (2 if checkpointing else 16) + 2 * vocab
+    return 16 * params // shards + 4 * batch_size * mconf.block_size * per_token
+
+
+def check_fits(need, dev):
+    """Refuse, before anything is allocated, a run that needs more than all of the device's
+    memory (the CPU's RAM shared by this machine's ranks; a GPU's total): it would only end
+    in the allocator, or swap for minutes first. Only the clearly impossible is refused."""
+    if dev.type == "cuda":
+        total, where = torch.cuda.mem_get_info(dev)[1], f"on {dev}"
+    elif dev.type == "cpu":
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no answer
+            return
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        total, where = total // procs, "of RAM" + (f" per process ({procs} share this "
+                                                   f"machine)" if procs > 1 else "")
+    else:
+        return
+    if need > total:
+        gib = lambda n: f"{n / 2 ** 30:,.1f} GiB"  # noqa: E731
+        raise UserError(f"this model and batch need about {gib(need)} per process, more than "
+                        f"the {gib(total)} {where}: lower batch_size (gradient_accumulation_"
+                        f"steps keeps the tokens per step), block_size, n_layer or n_embd")
+
+
 def cxx_compiler_found():
     """Whether torch.compile can build CPU kernels here: inductor compiles them with a C++
     compiler ($CXX, else g++ on Linux and clang++ on macOS) and fails at the first forward,
