@@ -372,7 +372,8 @@ class RoFormer(nn.Module):
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
         With a cache, idx holds positions start_pos.. and also attends to the cached ones;
-        start_pos is a (1,) tensor in the static one-token step (one graph for every position)."""
+        start_pos is a (1,) tensor in the static one-token step (one graph for every position);
+        its table rows must be held then (pos_tables, or slide_tables as sample.py calls it)."""
         c, T = self.config, idx.size(1)
         if isinstance(start_pos, torch.Tensor):  # table entries by gather, not a slice
             if T != 1:

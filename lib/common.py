@@ -189,7 +189,10 @@ def coerce(key, value, default):
     if default is None:
         return value
     if type(default) is float and type(value) is int:
-        value = float(value) if abs(value) < 2 ** 1024 else math.inf  # refused below
+        try:
+            value = float(value)
+        except OverflowError:  # an int past float's range (10**400): refused below
+            value = math.inf
     if type(value) is not type(default):
         raise UserError(f"config key '{key}' must be {type(default).__name__} (default "
                         f"{default!r}), got {value!r} ({type(value).__name__})")
