@@ -115,6 +115,10 @@ if optimizer not in ("adamw", "muon"):
 if fsdp and optimizer == "muon":
     raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
                     "optimizer state is supported for AdamW only; use DDP or optimizer=adamw")
+try:  # the model flags as given, now: a mistake must not wait until out_dir has been prepared
+    RoFormerConfig(**{**{k: config[k] for k in MODEL_KEYS}, "vocab_size": vocab_size or 1})
+except ValueError as e:
+    raise UserError(str(e)) from None
 
 # ----------------------------------------------------------------------------------------
 # processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype

@@ -120,7 +120,10 @@ def lock_out_dir(out_dir):
         raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({path})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # BlockingIOError: held by a live process
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # a filesystem without locks: run unlocked
+            os.close(fd)
+            return
         holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
         raise UserError(f"out_dir {out_dir} is in use by another training run"

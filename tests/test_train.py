@@ -739,6 +739,7 @@ def trained(data, tmp_path_factory):
     (["--seed=-1"], "seed must be from 0 to 2**64 - 1"),
     ([f"--seed={2 ** 64}"], "seed must be from 0 to 2**64 - 1"),
     (["--device=meta"], "device='meta' is not supported"),
+    (["--rope_scaling=ntk", "--rope_factor=1e300"], "rope_factor=1e+300 is too large"),
 ])
 def test_values_that_make_no_sense_are_one_line_and_change_nothing(trained, data, tmp_path, args,
                                                                    message):
