@@ -387,8 +387,8 @@ def check_gguf_path(path):
 
 
 # What train.py writes in a run folder (one with ckpt.pt): checkpoints in every form, logs, wandb.
-RUN_FILES = ("ckpt.pt", "ckpt.pt.tmp", "ckpt.*.pt", "ckpt-*.dcp", "ckpt-*.dcp.tmp", "log.jsonl",
-             "log.*.jsonl", "wandb")
+RUN_FILES = ("ckpt.pt", "ckpt.pt.tmp", ".ckpt.pt.*.tmp", "ckpt.*.pt", "ckpt-*.dcp", "ckpt-*.dcp.tmp",
+             "log.jsonl", "log.*.jsonl", "wandb", ".train.lock")
 
 
 def run_file(path):

@@ -64,12 +64,21 @@ class RoFormerConfig:
             (rope and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
              f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
             (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
-            (self.rope_base <= 1.0 or self.rope_factor < 1.0, "rope_base must be > 1 and "
-             f"rope_factor >= 1, got {self.rope_base} and {self.rope_factor}"),
+            (not (1.0 < self.rope_base < math.inf and 1.0 <= self.rope_factor < math.inf),
+             f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
+             f"{self.rope_base} and {self.rope_factor}"),
             (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor={self.rope_factor}"
              " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
             if wrong:
                 raise ValueError(why)
+        # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
+        # base overflows a float (OverflowError) long before: both are factors no one means
+        window = self.original_context * self.rope_factor
+        if window >= 2 ** 53 or (rope and self.rope_scaling == "ntk" and math.log(
+                self.rope_base) + math.log(self.rope_factor) * hd / (hd - 2) > 700):
+            raise ValueError(f"rope_factor={self.rope_factor:g} is too large: a window of "
+                             f"{window:.3g} positions (rope_original x rope_factor) cannot be "
+                             f"computed exactly")
 
 
 def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
@@ -295,7 +304,8 @@ class RoFormer(nn.Module):
         # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
         for name in ("rope_cos", "rope_sin", "sin_emb"):
             self.register_buffer(name, torch.empty(0), persistent=False)
-        self.pos_tables(cfg.context_window, "cpu")
+        self.table_start = 0  # the tables hold positions table_start.. (slide_tables)
+        self.pos_tables(cfg.block_size, "cpu")  # not the window: a forward grows them
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
@@ -307,19 +317,43 @@ class RoFormer(nn.Module):
                 setattr(self, name, before.to(getattr(self, name).device))
         return self
 
-    def pos_tables(self, n, device):
-        """Make the fixed tables cover positions 0..n-1; grown geometrically, only if short."""
+    def fixed_table(self):  # the table whose length the others share, None if no table
+        return {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(self.config.pos_encoding)
+
+    def table_rows(self, pos):
+        """{buffer name: its float32 rows at positions pos}, on the CPU."""
         c = self.config
-        have = {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(c.pos_encoding)
-        if have is None or have.size(0) >= n:
-            return  # the other encodings have no fixed table
-        pos = torch.arange(max(n, c.block_size, 2 * have.size(0)), device="cpu")
         if c.pos_encoding == "rope":
-            self.rope_cos, self.rope_sin = (t.to(device) for t in rope_table(
+            return dict(zip(("rope_cos", "rope_sin"), rope_table(
                 pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor,
-                c.original_context))
-        else:  # sinusoidal
-            self.sin_emb = baselines().sinusoidal_embedding(pos, c.n_embd).to(device)
+                c.original_context)))
+        return {"sin_emb": baselines().sinusoidal_embedding(pos, c.n_embd)}
+
+    def pos_tables(self, n, device):
+        """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
+        geometrically, only if short (or slid past 0 by slide_tables)."""
+        have = self.fixed_table()
+        if have is None or (have.size(0) >= n and self.table_start == 0):
+            return  # the other encodings have no fixed table
+        size = have.size(0) if have.size(0) >= n else max(n, self.config.block_size,
+                                                           2 * have.size(0))
+        for name, rows in self.table_rows(torch.arange(size, device="cpu")).items():
+            setattr(self, name, rows.to(device))
+        self.table_start = 0
+
+    def slide_tables(self, p):
+        """Make the tables hold position p for the one-token step, which reads slot p % L of
+        an L-row table. Past the rows held, the next L positions are written over the same
+        buffers in place: the same shape and address (a compiled step, CUDA graphs included,
+        neither recompiles nor grows), and memory stays L rows however long decoding runs."""
+        have = self.fixed_table()
+        if have is None or self.table_start <= p < self.table_start + have.size(0):
+            return
+        pos = torch.arange(p, p + have.size(0), device="cpu")  # cpu: as rope_table computes
+        slots = (pos % have.size(0)).to(have.device)
+        for name, rows in self.table_rows(pos).items():
+            getattr(self, name).index_copy_(0, slots, rows.to(have.device))
+        self.table_start = p
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
         rope = self.config.pos_encoding == "rope"
@@ -338,12 +372,14 @@ class RoFormer(nn.Module):
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
         With a cache, idx holds positions start_pos.. and also attends to the cached ones;
-        start_pos is a (1,) tensor in the static one-token step (one graph for every position)."""
+        start_pos is a (1,) tensor in the static one-token step (one graph for every position);
+        its table rows must be held then (pos_tables, or slide_tables as sample.py calls it)."""
         c, T = self.config, idx.size(1)
         if isinstance(start_pos, torch.Tensor):  # table entries by gather, not a slice
             if T != 1:
                 raise ValueError(f"a tensor start_pos decodes one token per sequence, got {T}")
-            pos = index = start_pos
+            table = self.fixed_table()  # slot p % L holds position p (slide_tables)
+            pos, index = start_pos, start_pos if table is None else start_pos % table.size(0)
         else:
             self.pos_tables(start_pos + T, idx.device)
             pos = torch.arange(start_pos, start_pos + T, device=idx.device)

@@ -34,6 +34,8 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
     """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
     checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) change the
     rotation at inference, which needs no retraining."""
+    if not out_dir:
+        raise UserError("out_dir is empty: pass the run's folder, --out_dir=DIR")
     if not os.path.isdir(out_dir):
         raise UserError(f"out_dir {out_dir!r} does not exist (train first, or pass --out_dir=DIR)")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -204,13 +206,15 @@ def cached_tokens(model, idx, max_new_tokens, sampling, generator, compile):
     total = idx.size(1) + max_new_tokens
     cache = model.new_cache(total, idx.device)
     logits = prefill(model, idx, cache, min(total, model.config.context_window))
-    model.pos_tables(total, idx.device)  # the step gathers table entries: they must exist now
     step = one_token_step(model, cache, compile, idx.device)
     pos = torch.full((1,), idx.size(1), dtype=torch.long, device=idx.device)
     for i in range(max_new_tokens):
         token = sample_next(logits, **sampling, generator=generator)
         yield token
         if i + 1 < max_new_tokens:
+            # the step reads table rows by position: their memory must not grow with
+            # max_new_tokens (the cache rolls, the positions do not), so the rows slide along
+            model.slide_tables(idx.size(1) + i)
             logits = step(token, pos)
             pos += 1
 

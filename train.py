@@ -116,6 +116,10 @@ if optimizer not in ("adamw", "muon"):
 if fsdp and optimizer == "muon":
     raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
                     "optimizer state is supported for AdamW only; use DDP or optimizer=adamw")
+try:  # the model flags as given, now: a mistake must not wait until out_dir has been prepared
+    RoFormerConfig(**{**{k: config[k] for k in MODEL_KEYS}, "vocab_size": vocab_size or 1})
+except ValueError as e:
+    raise UserError(str(e)) from None
 
 # ----------------------------------------------------------------------------------------
 # processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype
@@ -174,7 +178,7 @@ if init_from not in ("scratch", "resume"):
     config.update(source_args, init_from=os.path.abspath(init_from))
 if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
     config["vocab_size"] = meta["vocab_size"]
-run.prepare_out_dir(out_dir)
+run.prepare_out_dir(out_dir, master)  # rank 0 locks it for the run
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 log_path = os.path.join(out_dir, "log.jsonl")
 # init_from=resume, or a torchrun restart of this very run (never another run's checkpoint)
@@ -202,6 +206,8 @@ except ValueError as e:
 model_args = dataclasses.asdict(mconf)
 config.update(model_args)  # the checkpoint records the model that ran, not the command line
 block_size = mconf.block_size
+run.check_fits(run.training_memory(mconf, batch_size, world if fsdp else 1,  # before allocating
+                                   activation_checkpointing), dev)
 run.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
 
 
@@ -329,7 +335,8 @@ if wandb_log and master:
 peak = run.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
 progress = run.Progress(start_iter, max_iters, tokens_per_iter,
                         run.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
-                        world, master)
+                        world, master, forget_peak=(lambda: run.forget_cpu_peak(ptdtype))
+                        if device_type == "cpu" else None)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
     run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder

@@ -301,6 +301,8 @@ def prepare(out_dir, name, sources, source, vocab_size=4096, model_type="bpe",
 
 def resolve_out_dir(out_dir):
     """--out_dir NAME (no slash) is data/NAME, wherever prepare runs from; a path is as given."""
+    if not out_dir:  # '' would be data/ itself: the package's code beside the dataset
+        raise UserError("--out_dir is empty: pass a dataset name or a folder")
     if os.path.isabs(out_dir) or "/" in out_dir or os.sep in out_dir or out_dir in (".", ".."):
         return os.path.abspath(out_dir)
     return os.path.join(DATA_DIR, out_dir)

@@ -7,13 +7,12 @@ import contextlib
 import functools
 import os
 import random
-import shutil
 import zipfile
 
 import numpy as np
 import torch
 
-from lib.common import UserError, atomic_write
+from lib.common import UserError, atomic_write, remove
 from model import RoFormer, init_parameter
 
 
@@ -170,9 +169,10 @@ def set_rng_state(saved):  # rng_state's inverse (lib/resume.py)
 # writing
 
 def commit(path, ckpt):
-    """Write ckpt.pt atomically, then delete the DCP folder that the replaced ckpt.pt named (if
-    it names another one) and what crashed saves left. On a write error (a full disk) the temp
-    file goes and the previous ckpt.pt stays."""
+    """Write ckpt.pt atomically (through .ckpt.pt.PID.tmp: a name of this process's own), then
+    delete the DCP folder that the replaced ckpt.pt named (if it names another one) and what
+    crashed saves left: train.py holds out_dir's lock, so no temp there is a live run's. On a
+    write error (a full disk) the temp file goes and the previous ckpt.pt stays."""
     out_dir = os.path.dirname(path) or "."
     old = None
     with contextlib.suppress(UserError):  # an unreadable old file names nothing to trust
@@ -181,16 +181,18 @@ def commit(path, ckpt):
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
     try:
-        atomic_write(path, write, tmp=path + ".tmp")
+        atomic_write(path, write)
     except (OSError, RuntimeError) as e:  # torch's writer may hide the OSError behind its own
         cause = e.__context__ if isinstance(e.__context__, OSError) else e
         why = getattr(cause, "strerror", None) or str(cause).splitlines()[0]
         raise UserError(f"cannot write {path}: {why}; the previous checkpoint, if any, is "
                         f"kept") from None
     stale = [old] if old and old != ckpt.get("sharded") else []
-    stale += [f for f in os.listdir(out_dir) if f.endswith(".dcp.tmp")]  # crashed saves
+    crashed = lambda f: f.endswith(".dcp.tmp") or f == "ckpt.pt.tmp" or (  # noqa: E731
+        f.startswith(".ckpt.pt.") and f.endswith(".tmp"))  # ckpt.pt.tmp: older code's name
+    stale += [f for f in os.listdir(out_dir) if crashed(f)]
     for f in stale:
-        shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
+        remove(os.path.join(out_dir, f))
 
 
 def save(path, meta, raw_model, optimizer, rank=0):

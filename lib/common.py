@@ -7,6 +7,7 @@ import ast
 import difflib
 import functools
 import hashlib
+import math
 import os
 import shutil
 import sys
@@ -20,23 +21,48 @@ class UserError(Exception):
 
 
 created_dirs = []  # folders this command made: a failure removes them again while empty
+created_files = []  # files that mean nothing once it fails (train.py's out_dir lock)
 
 
 def error_line(msg):
     """The one place a user error ends: the line `error: msg`, and no empty folder this
-    command made left behind."""
+    command made left behind (empty but for its created_files)."""
     for d in created_dirs:
-        if os.path.isdir(d) and not os.listdir(d):
-            os.rmdir(d)
+        if os.path.isdir(d) and all(os.path.join(d, f) in created_files for f in os.listdir(d)):
+            shutil.rmtree(d, ignore_errors=True)
     return f"error: {msg}"
 
 
 def excepthook(kind, value, tb):
-    """sys.excepthook of a script without a main (train.py): a UserError is its line, exit 1."""
+    """sys.excepthook of a script without a main (train.py): a UserError is its line, exit 1
+    (under torchrun once, by the first rank that hits it: said_by_another_rank)."""
     if issubclass(kind, UserError):
-        print(error_line(value), file=sys.stderr, flush=True)
+        line = error_line(value)
+        if not said_by_another_rank(line):
+            print(line, file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, value, tb)
+
+
+def said_by_another_rank(line):
+    """Under torchrun every rank mostly hits the same mistake (a flag, a path): the first rank
+    to count the line in the launcher's store says it and the others stay quiet, so each
+    distinct line appears once, whichever rank hit it (one that only rank 3 hits is still
+    said). Without that store, or if it does not answer, every rank speaks: a line said twice
+    beats a line lost."""
+    if int(os.environ.get("WORLD_SIZE", 1)) < 2 or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    try:
+        import datetime
+        from torch.distributed import TCPStore
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=5))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"roformer-error/{attempt}/{hashlib.sha256(line.encode()).hexdigest()}"
+        return store.add(key, 1) > 1
+    except Exception:  # noqa: BLE001 - any failure to ask: say it
+        return False
 
 
 def cli(main, interrupted=130):
@@ -115,6 +141,8 @@ def atomic_write(path, write, check=None, tmp=None):
 def make_out_dir(path, what="out_dir"):
     """Create `path` if needed and prove now, before any long work, that files can be written
     there. Returns True when this call created it (a failure removes it again while empty)."""
+    if not path:  # '' is no folder; os.makedirs would say "No such file or directory: ''"
+        raise UserError(f"{what} is empty: pass a folder")
     created = not os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
@@ -161,10 +189,15 @@ def coerce(key, value, default):
     if default is None:
         return value
     if type(default) is float and type(value) is int:
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int past float's range (10**400): refused below
+            value = math.inf
     if type(value) is not type(default):
         raise UserError(f"config key '{key}' must be {type(default).__name__} (default "
                         f"{default!r}), got {value!r} ({type(value).__name__})")
+    if type(value) is float and not math.isfinite(value):  # 1e999 reads as inf; no key takes it
+        raise UserError(f"config key '{key}' must be a finite number, got {value!r}")
     return value
 
 

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lib.checkpoint import build_model as build, commit
-from lib.common import UserError, fsync
+from lib.common import UserError, excepthook, fsync
 
 
 def ranks(gradient_accumulation_steps):
@@ -58,6 +58,10 @@ def init_process_group(dev, rank, local_rank, world):
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
     dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", store=store,
                             rank=rank, world_size=world)
+    # torch's hook now prefixes every stderr line with [rankN]: a user error stays its one line
+    torch_hook = sys.excepthook
+    sys.excepthook = lambda kind, value, tb: (
+        excepthook if issubclass(kind, UserError) else torch_hook)(kind, value, tb)
     return dev
 
 

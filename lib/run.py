@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from data.dataset import load_meta, open_split
 from lib import run_tokenizer
-from lib.common import REPO, UserError, atomic_write, file_sha256, make_out_dir
+from lib.common import (REPO, UserError, atomic_write, created_files, file_sha256,
+                        make_out_dir)
 
 
 def barrier(ddp):
@@ -89,16 +90,90 @@ def run_identity():
     return os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex, restarts
 
 
-def prepare_out_dir(out_dir):
+def prepare_out_dir(out_dir, master=True):
     """Create out_dir and prove now that the run can write there, its log included: an hour of
-    training lost to a typo'd path is worse than one line at the start."""
+    training lost to a typo'd path is worse than one line at the start. Rank 0 then holds the
+    folder's lock for the whole run."""
     make_out_dir(out_dir)
+    if master:
+        lock_out_dir(out_dir)
     log_path = os.path.join(out_dir, "log.jsonl")
     try:
         if os.path.lexists(log_path):
             open(log_path, "a").close()
     except OSError as e:
         raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})") from None
+
+
+out_dir_lock = []  # the open lock file: the lock lasts as long as this process
+
+
+def lock_out_dir(out_dir):
+    """Refuse a second run into the same out_dir while one trains there: their logs interleaved
+    and each deleted the other's temporary checkpoint. An flock on out_dir/.train.lock, which
+    the OS releases when the process ends however it ends (a crash or SIGKILL leaves no stale
+    lock); the file holds the pid, for the message. Skipped where there is no fcntl
+    (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    path = os.path.join(out_dir, ".train.lock")
+    new = not os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({path})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # a filesystem without locks: run unlocked
+            os.close(fd)
+            return
+        holder = os.read(fd, 32).decode(errors="replace").strip()
+        os.close(fd)
+        raise UserError(f"out_dir {out_dir} is in use by another training run"
+                        f"{f' (pid {holder})' if holder.isdigit() else ''}: wait for it to "
+                        f"finish, or pass another --out_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    out_dir_lock.append(fd)
+    if new:  # a failed command removes the folder it made, this file included
+        created_files.append(path)
+
+
+def training_memory(mconf, batch_size, shards=1, checkpointing=False):
+    """Bytes one training process needs at the least, roughly: 16 per parameter (float32
+    weights and gradients, AdamW's two moments; FSDP shards them over `shards` ranks) and one
+    micro-batch's float32 activations (about 16 numbers per token and channel in each layer
+    kept for backward, 2 with activation checkpointing) and logits with their gradient."""
+    d, layers, vocab = mconf.n_embd, mconf.n_layer, mconf.vocab_size
+    params = 12 * layers * d * d + vocab * d  # attention 4 d^2, MLP 8 d^2, the tied embedding
+    per_token = layers * d * (2 if checkpointing else 16) + 2 * vocab
+    return 16 * params // shards + 4 * batch_size * mconf.block_size * per_token
+
+
+def check_fits(need, dev):
+    """Refuse, before anything is allocated, a run that needs more than all of the device's
+    memory (the CPU's RAM shared by this machine's ranks; a GPU's total): it would only end
+    in the allocator, or swap for minutes first. Only the clearly impossible is refused."""
+    if dev.type == "cuda":
+        total, where = torch.cuda.mem_get_info(dev)[1], f"on {dev}"
+    elif dev.type == "cpu":
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no answer
+            return
+        procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        total, where = total // procs, "of RAM" + (f" per process ({procs} share this "
+                                                   f"machine)" if procs > 1 else "")
+    else:
+        return
+    if need > total:
+        gib = lambda n: f"{n / 2 ** 30:,.1f} GiB"  # noqa: E731
+        raise UserError(f"this model and batch need about {gib(need)} per process, more than "
+                        f"the {gib(total)} {where}: lower batch_size (gradient_accumulation_"
+                        f"steps keeps the tokens per step), block_size, n_layer or n_embd")
 
 
 def cxx_compiler_found():
@@ -222,25 +297,43 @@ def cpu_model():
     return platform.processor() or platform.machine()
 
 
+def cpu_peak_table(dtype):
+    """(the cache file of CPU peaks, its table, this process's key in it)."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                         "roformer", "cpu_peak.json")
+    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch " \
+          f"{torch.__version__}"
+    table = None
+    with contextlib.suppress(OSError, ValueError), open(cache) as f:
+        table = json.load(f)
+    return cache, table if isinstance(table, dict) else {}, key
+
+
+def save_cpu_peaks(cache, table):
+    with contextlib.suppress(OSError):  # a read-only home: time it again next run
+        atomic_write(cache, lambda tmp: Path(tmp).write_text(json.dumps(table)))
+
+
+def forget_cpu_peak(dtype):
+    """Drop this CPU's cached peak: an MFU above 100% proved it too low (timed while the
+    machine was busy), so the next run times it again."""
+    cache, table, key = cpu_peak_table(dtype)
+    if table.pop(key, None) is not None:
+        save_cpu_peaks(cache, table)
+
+
 def cpu_peak_flops(dtype, ddp):
     """One process's CPU peak in `dtype`: time_matmul's rate, timed once per CPU model, thread
     count, dtype and torch version and kept in ~/.cache/roformer/cpu_peak.json (delete it to
-    time again), so a short run does not pay for the probe. Under DDP rank 0 times it alone and
-    shares it: ranks timing at once on shared cores would each measure a fraction of it."""
+    time again; forget_cpu_peak drops one a run disproved), so a short run does not pay for
+    the probe. Under DDP rank 0 times it alone and shares it: ranks timing at once on shared
+    cores would each measure a fraction of it."""
     peak = torch.zeros((), dtype=torch.float64)
     if not ddp or torch.distributed.get_rank() == 0:
-        cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                             "roformer", "cpu_peak.json")
-        key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch " \
-              f"{torch.__version__}"
-        table = None
-        with contextlib.suppress(OSError, ValueError), open(cache) as f:
-            table = json.load(f)
-        table = table if isinstance(table, dict) else {}
+        cache, table, key = cpu_peak_table(dtype)
         if not isinstance(table.get(key), float):
             table[key] = time_matmul(dtype)
-            with contextlib.suppress(OSError):  # a read-only home: time it again next run
-                atomic_write(cache, lambda tmp: Path(tmp).write_text(json.dumps(table)))
+            save_cpu_peaks(cache, table)
         peak.fill_(table[key])
     if ddp:
         torch.distributed.broadcast(peak, src=0)
@@ -268,10 +361,12 @@ def stop_on_signals():
 class Progress:
     """Rank 0's progress: a tqdm bar on a terminal; under a pipe or a file (CI, SLURM, `> log`)
     one plain line per log_interval, since a bar's carriage-return updates would write
-    megabytes there. Tokens/s is smoothed over steps, the first (compilation) ones skipped."""
+    megabytes there. Tokens/s is smoothed over steps, the first (compilation) ones skipped.
+    An MFU above 100% cannot be right: the peak is wrong (a CPU's, timed while the machine was
+    busy), so it is n/a from then on and forget_peak() drops the cached peak it disproved."""
 
     def __init__(self, start_iter, max_iters, tokens_per_iter, flops_per_token, peak, world,
-                 master):
+                 master, forget_peak=None):
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=max_iters, initial=start_iter, dynamic_ncols=True, unit="it",
                         disable=not master or not self.interactive)
@@ -279,6 +374,7 @@ class Progress:
         self.tokens_per_iter, self.tok_s = tokens_per_iter, None
         # MFU is per device: the FLOPs of one device's share of the tokens over its peak
         self.mfu_per_tok = flops_per_token / world / peak if peak else None
+        self.forget_peak = forget_peak
 
     def log(self, iter_num, loss, grad_norm, dt):
         rate = self.tokens_per_iter / dt
@@ -287,6 +383,14 @@ class Progress:
         post = {"loss": f"{loss:.4f}", "gnorm": f"{grad_norm:.3f}"}
         if self.tok_s:
             mfu = self.mfu_per_tok and self.mfu_per_tok * self.tok_s
+            if mfu and mfu > 1:
+                self.mfu_per_tok = mfu = None
+                self.write("note: MFU came out above 100%: the peak it is measured against is "
+                           "too low (timed while the machine was busy?); MFU is n/a for this "
+                           "run" + (", and the peak is timed again next run"
+                                    if self.forget_peak else ""))
+                if self.forget_peak:
+                    self.forget_peak()
             post["tok/s"] = f"{self.tok_s:,.0f}"  # all ranks together
             post["mfu"] = f"{100 * mfu:.1f}%" if mfu else "n/a"
         if self.interactive:

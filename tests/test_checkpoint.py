@@ -159,6 +159,61 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["ckpt.pt"]
 
 
+def test_temp_names_are_the_processs_own_and_crashed_saves_are_cleaned(tmp_path, monkeypatch):
+    """Two runs in one out_dir used to delete each other's temp (the fixed name ckpt.pt.tmp).
+    The temp is named by the pid; what crashed saves left (any pid, the old fixed name, a DCP
+    folder) goes once a save commits, and nothing else in the folder does."""
+    path = str(tmp_path / "ckpt.pt")
+    leftovers = [".ckpt.pt.99999999.tmp", "ckpt.pt.tmp", "ckpt-4.0.dcp.tmp"]
+    for f in leftovers[:2]:
+        (tmp_path / f).write_bytes(b"half")
+    (tmp_path / leftovers[2]).mkdir()
+    (tmp_path / "log.jsonl").write_text("{}\n")
+    renamed = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(a), real(a, b)))
+    checkpoint.commit(path, {"model": {"w": torch.ones(3)}, "model_args": {}})
+    assert renamed == [str(tmp_path / f".ckpt.pt.{os.getpid()}.tmp")]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "log.jsonl"]
+    assert torch.equal(checkpoint.read(path)["model"]["w"], torch.ones(3))
+
+
+HOLD_LOCK = """
+import sys
+sys.path.insert(0, {root!r})
+from lib import run
+run.prepare_out_dir({out!r})
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fcntl: no lock")
+def test_a_second_run_into_a_locked_out_dir_is_refused_until_the_first_dies(tmp_path):
+    """Two runs into one out_dir interleaved their log.jsonl. While a process holds the folder
+    a second is refused in one line naming the folder and the holder's pid, with nothing in
+    it changed; once the holder is SIGKILLed (no clean-up ran) the folder is free again."""
+    from lib import run
+    out = str(tmp_path / "out")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=out)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(UserError) as e:
+            run.prepare_out_dir(out)
+        assert str(e.value).startswith(f"out_dir {out} is in use by another training run "
+                                       f"(pid {holder.pid})")
+        assert os.listdir(out) == [".train.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    run.prepare_out_dir(out)
+    try:
+        assert open(os.path.join(out, ".train.lock")).read() == f"{os.getpid()}\n"
+    finally:
+        os.close(run.out_dir_lock.pop())
+
+
 FILL_TMPFS = """
 import os, sys, torch
 sys.path.insert(0, {root!r})

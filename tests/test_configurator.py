@@ -86,6 +86,40 @@ def test_a_sequence_for_a_known_key_in_a_config_file_is_an_error(tmp_path, line)
     assert "\n" not in msg and "c.py" in msg and line.split()[0] in msg, msg
 
 
+@pytest.mark.parametrize("argv", [["--learning_rate=1e999"], ["--learning_rate=-1e999"],
+                                  [f"--learning_rate={10 ** 400}"], ["FILE:learning_rate = float('nan')"]])
+def test_a_float_that_is_not_finite_is_one_line_naming_the_key(tmp_path, argv):
+    """1e999 reads as inf: --learning_rate=1e999 trained one step and logged "lr": Infinity,
+    --rope_base=1e999 exported invalid JSON. Every float key refuses inf and nan in one place."""
+    f = tmp_path / "c.py"
+    if argv[0].startswith("FILE:"):
+        f.write_text(argv[0][5:] + "\n")
+        argv = [str(f)]
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, argv)
+    assert "\n" not in str(e.value) and "learning_rate" in str(e.value) and "finite" in str(e.value)
+    assert configure(DEFAULTS, ["--learning_rate=1e308"])["learning_rate"] == 1e308
+
+
+def test_under_torchrun_each_distinct_error_line_is_said_once(monkeypatch, capsys):
+    """Every rank used to print the same mistake. The reference is a launcher's store made
+    here, as torchrun's agent makes it: the first rank to report a line prints it, a rank
+    with the same line does not, and a line only another rank hits is still printed."""
+    import datetime
+    from torch.distributed import TCPStore
+    from lib import common
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for rank, msg in [(0, "bad flag"), (1, "bad flag"), (1, "only rank 1 cannot read x")]:
+        monkeypatch.setenv("RANK", str(rank))
+        common.excepthook(ConfigError, ConfigError(msg), None)
+    assert capsys.readouterr().err.splitlines() == ["error: bad flag",
+                                                    "error: only rank 1 cannot read x"]
+
+
 def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     """torch 2.13's is_bf16_supported() is True on a T4 or V100, where bf16 is only emulated
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.

@@ -831,6 +831,20 @@ def test_error_a_file_without_the_field_even_under_skip(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_an_empty_out_dir_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """--out_dir '' resolved to data/ itself: a dataset written into the package, beside its
+    code. It is refused in one line, before the corpus is read; nothing appears."""
+    make_corpus(tmp_path / "c", n_files=4)
+    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path / "repo_data"))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        load_script("text").main(["--input", str(tmp_path / "c"), "--vocab_size", "350",
+                                  "--min_val_tokens", "20", "--out_dir", ""])
+    assert str(e.value.code) == "error: --out_dir is empty: pass a dataset name or a folder"
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_out_dir_name_is_where_train_py_looks(tmp_path, monkeypatch):
     """--out_dir NAME writes data/NAME next to train.py (where --dataset=NAME reads) from any
     current folder; a path with a slash or an absolute one is taken as given. (DATA_DIR is

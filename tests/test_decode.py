@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from sample import generate  # noqa: E402
+from sample import generate, generate_stream  # noqa: E402
 
 
 def tiny(**kw):
@@ -52,6 +52,27 @@ def test_generate_reads_nothing_back_to_the_host(attention):
             out = generate(m, idx, 20, generator=torch.Generator().manual_seed(0), **kw)
         assert out.shape == (2, 25)
         assert "aten._local_scalar_dense" not in log.ops, kw
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal"])
+def test_position_tables_do_not_grow_with_max_new_tokens(pos_encoding):
+    """sample.py --max_new_tokens=1000000000 built cos/sin for every future position (8 GB)
+    although the cache rolls. The tables now hold as many rows as before decoding, in the
+    same buffers, whatever max_new_tokens says, and the tokens (greedy, 40 of them: the rows
+    slide 5 times at block_size 8) equal those of a model whose tables already held every
+    position as plain absolute rows (the reference: nothing slides there)."""
+    import copy
+    m = tiny(pos_encoding=pos_encoding)
+    ref = copy.deepcopy(m)
+    ref.pos_tables(100, "cpu")
+    buffer = lambda: m.rope_cos if pos_encoding == "rope" else m.sin_emb  # noqa: E731
+    rows, address = buffer().size(0), buffer().data_ptr()
+    prompt = torch.randint(0, 61, (2, 3))
+    stream = generate_stream(m, prompt, 10 ** 6, temperature=0)
+    got = torch.cat([next(stream) for _ in range(40)], dim=1)
+    assert buffer().size(0) == rows and buffer().data_ptr() == address
+    assert getattr(m, "table_start", 0) > 0  # the rows did slide
+    assert torch.equal(got, generate(ref, prompt, 40, temperature=0)[:, 3:])
 
 
 PEAK_RSS = """

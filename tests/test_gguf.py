@@ -333,7 +333,8 @@ def test_a_path_export_would_destroy_is_refused(run, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     for target in ("ckpt.pt", "log.jsonl", "ckpt-5.0.dcp/__0_0.distcp", "ckpt-5.0.dcp/new.gguf",
-                   "ckpt.pt.tmp", "log.20250101-000000.jsonl"):
+                   "ckpt.pt.tmp", "log.20250101-000000.jsonl", ".ckpt.pt.1234.tmp",
+                   ".train.lock"):  # issue 35: the temp named by its pid, out_dir's lock
         msg = err(f"--out_dir={out}", f"--gguf={folder / target}", "--check=False")
         assert "file of the run" in msg and str(folder) in msg, msg
     msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'notes.txt'}", "--check=False")

@@ -365,6 +365,17 @@ def test_rolling_cache_is_sliding_window_attention(pos_encoding):
     assert not torch.allclose(crop, got[:, -1], atol=1e-3)
 
 
+def test_a_long_window_builds_no_table_until_a_position_needs_it():
+    """A yarn factor of 1e4 made the model build cos/sin for its whole 160k-position window at
+    construction (1e6: 100 GB); the tables now cover block_size and grow with the positions a
+    forward runs, to the same values."""
+    m = tiny(rope_scaling="yarn", rope_factor=1e4)
+    assert m.rope_cos.size(0) == 16
+    m(torch.randint(0, 61, (1, 40)))
+    cos, sin = rope_table(torch.arange(40), 8, 10000.0, "yarn", 1e4, 16)
+    assert torch.equal(m.rope_cos[:40], cos) and torch.equal(m.rope_sin[:40], sin)
+
+
 def test_rope_forward_past_block_size_grows_table():
     m = tiny(block_size=8)
     idx = torch.randint(0, 61, (1, 20))
@@ -522,6 +533,13 @@ def test_sampling_argument_validation():
     (dict(pos_encoding="none", rope_factor=4.0), "has none"),
     # issue 28: ntk's base * factor^(d/(d-2)) divided by zero at head dim 2
     (dict(n_embd=4, n_head=2, rope_scaling="ntk", rope_factor=2.0), "above 2"),
+    # issue 35 item 7: inf trained a degenerate rotation and exported "rope_theta": Infinity;
+    # huge factors ended in OverflowError (NTK's raised base, the window's int)
+    (dict(rope_base=float("inf")), "rope_base must be finite"),
+    (dict(rope_base=float("nan")), "rope_base must be finite"),
+    (dict(rope_scaling="linear", rope_factor=float("inf")), "rope_factor finite"),
+    (dict(rope_scaling="ntk", rope_factor=1e300), "too large"),
+    (dict(rope_scaling="yarn", rope_factor=1e300), "too large"),
 ])
 def test_config_validation(kw, word):
     args = dict(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8)
@@ -602,9 +620,11 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
     torch.testing.assert_close(logits.double(), reference_forward(m, idx), atol=1e-5, rtol=1e-4,
                                msg=lambda m: f"{m}\n{PINNED}")
     generate(m, idx[:1, :4], 40, temperature=0, use_cache=True)  # positions past block_size
-    assert len(built) == 1 and m.sin_emb.size(0) == 44  # grown once, to the whole generation
-    naive = torch.tensor([math.sin(43 * 10000 ** (-2 * i / 16)) for i in range(8)])
-    torch.testing.assert_close(m.sin_emb[43, :8], (0.02 * math.sqrt(2) * naive).float())
+    # issue 35: no longer grown to the whole generation; the step's rows slide in place (at
+    # positions 16 and 32), slot p % 16 holding position p, up to 42, the last one fed
+    assert len(built) == 2 and m.sin_emb.size(0) == 16
+    naive = torch.tensor([math.sin(42 * 10000 ** (-2 * i / 16)) for i in range(8)])
+    torch.testing.assert_close(m.sin_emb[42 % 16, :8], (0.02 * math.sqrt(2) * naive).float())
 
 
 def test_params_and_flops():

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +37,58 @@ def test_cpu_peak_is_timed_once_per_machine_setup(tmp_path, monkeypatch):
     assert f"{torch.get_num_threads()} threads" in key
     (tmp_path / "roformer" / "cpu_peak.json").write_text("{not json")  # damaged: timed again
     assert runs.cpu_peak_flops(torch.float32, ddp=False) == 3e9
+
+
+def test_an_mfu_above_100_percent_is_na_and_the_peak_it_disproves_is_timed_again(
+        tmp_path, monkeypatch, capsys):
+    """A CPU peak timed while the machine was busy stayed cached and too low: every later run
+    printed MFUs like 196.6%. The reference is the definition: MFU = FLOP/s done / peak, so a
+    run doing 2x the cached peak must print no percentage; n/a, and the next peak is timed
+    anew (a counter on the timing function). A plausible MFU is still printed as computed."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(runs, "time_matmul", lambda dtype: timed.append(dtype) or 1e9)
+    peak = runs.cpu_peak_flops(torch.float32, ddp=False)
+    flops_per_token, tokens_per_iter = 1e6, 100
+    for doing, shown in ((0.5, "mfu 50.0%"), (2.0, "mfu n/a")):  # FLOP/s done / peak
+        p = runs.Progress(0, 10, tokens_per_iter, flops_per_token, peak, 1, True,
+                          forget_peak=lambda: runs.forget_cpu_peak(torch.float32))
+        p.interactive = False  # plain lines, whatever pytest's stderr is
+        dt = tokens_per_iter * flops_per_token / (doing * peak)
+        capsys.readouterr()
+        for it in range(1, 6):
+            p.log(it, 1.0, 1.0, dt)
+        out = capsys.readouterr().out
+        assert shown in out.splitlines()[-1], out
+    assert "%" not in out.replace("100%", "")  # no figure above 100 printed at any step
+    assert runs.cpu_peak_flops(torch.float32, ddp=False) == 1e9 and len(timed) == 2
+
+
+def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatch):
+    """--batch_size=1000000 and --n_layer=100000 ran into the allocator, or built layers for
+    minutes. The estimate's weight term is checked against a real model's parameter count
+    (built on the meta device: no memory), and the refusal against a machine of known RAM
+    (sysconf faked to 8 GiB): what fits is let through, what cannot is one line in GiB."""
+    from model import RoFormer, RoFormerConfig
+    from lib.common import UserError
+    cfg = RoFormerConfig(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256)
+    with torch.device("meta"):
+        real = sum(p.numel() for p in RoFormer(cfg).parameters())
+    assert abs(runs.training_memory(cfg, 0) - 16 * real) < 0.01 * 16 * real  # no batch
+    assert runs.training_memory(cfg, 16, checkpointing=True) < runs.training_memory(cfg, 16)
+    pages = {"SC_PHYS_PAGES": 2 ** 21, "SC_PAGE_SIZE": 4096}  # 8 GiB
+    monkeypatch.setattr(os, "sysconf", pages.__getitem__)
+    cpu = torch.device("cpu")
+    runs.check_fits(runs.training_memory(cfg, 16), cpu)  # config/small.py: fits
+    for batch, layers in ((1_000_000, 4), (16, 100_000)):
+        need = runs.training_memory(RoFormerConfig(**{**vars(cfg), "n_layer": layers}), batch)
+        with pytest.raises(UserError) as e:
+            runs.check_fits(need, cpu)
+        assert f"about {need / 2 ** 30:,.1f} GiB per process, more than the 8.0 GiB of RAM" \
+            in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks share the machine's RAM
+    with pytest.raises(UserError, match="2.0 GiB of RAM per process"):
+        runs.check_fits(3 * 2 ** 30, cpu)
 
 
 def test_the_real_probe_measures_a_plausible_rate(tmp_path, monkeypatch):

@@ -341,6 +341,12 @@ def test_rope_scaling_override_reaches_the_model(ws, capsys, tmp_path, scaling):
     assert r.out != run(capsys, *a).out  # the override changed what was sampled
 
 
+def test_an_empty_out_dir_is_named_as_empty(capsys):
+    """--out_dir= used to be "out_dir '' does not exist"; sample.py, eval.py and export.py
+    share load_run, which says what is wrong with it."""
+    assert "out_dir is empty" in err(capsys, "--out_dir=")
+
+
 def test_empty_prompt_starts_a_document_with_a_note(ws, capsys):
     r = run(capsys, "--out_dir=" + ws["softmax"], "--start=", "--max_new_tokens=20",
             "--stop_at_eos=False", "--seed=1")

@@ -130,7 +130,7 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     assert ck["tokenizer"]["sha256"] is None and ck["tokenizer"]["vocab_size"] == V
     assert not any(k.startswith("_orig_mod") for k in ck["model"])
     assert {"torch", "numpy", "python"} <= set(ck["rng"]) and ck["scaler"] is None
-    assert not os.path.exists(os.path.join(out, "ckpt.pt.tmp"))
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 
 
 def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
@@ -612,7 +612,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(data, tmp_path)
     line = one_line_error(r)
     assert "No space left on device" in line and "ckpt.pt" in line
     assert load(out)["iter_num"] == 2
-    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+    assert sorted(os.listdir(out)) == [".train.lock", "ckpt.pt", "log.jsonl"]
 
 
 FSYNC_TRACE = """
@@ -643,11 +643,13 @@ def test_checkpoints_are_fsynced_before_the_rename_and_the_folder_after(data, tm
           "--eval_interval=1", PYTHONPATH=str(site), FSYNC_TRACE=str(trace))
     events = trace.read_text().splitlines()
     ckpt = os.path.join(out, "ckpt.pt")
-    renames = [i for i, e in enumerate(events) if e == f"replace {ckpt}.tmp {ckpt}"]
+    tmp = os.path.join(out, r".ckpt.pt.\d+.tmp")  # a name of the writing process's own
+    renames = [i for i, e in enumerate(events) if re.fullmatch(f"replace {tmp} {ckpt}", e)]
     assert len(renames) == 2, events  # the saves at iterations 1 and 2
     start = 0
     for i in renames:
-        assert f"fsync {ckpt}.tmp" in events[start:i], events  # the data, before the rename
+        written = events[i].split()[1]
+        assert f"fsync {written}" in events[start:i], events  # the data, before the rename
         assert f"fsync {out}" in events[i + 1:], events  # the folder's entry, after it
         start = i + 1
 
@@ -771,6 +773,7 @@ def trained(data, tmp_path_factory):
     (["--seed=-1"], "seed must be from 0 to 2**64 - 1"),
     ([f"--seed={2 ** 64}"], "seed must be from 0 to 2**64 - 1"),
     (["--device=meta"], "device='meta' is not supported"),
+    (["--rope_scaling=ntk", "--rope_factor=1e300"], "rope_factor=1e+300 is too large"),
 ])
 def test_values_that_make_no_sense_are_one_line_and_change_nothing(trained, data, tmp_path, args,
                                                                    message):
@@ -970,6 +973,21 @@ def test_accumulation_that_the_processes_cannot_share_is_said_once(data, tmp_pat
     assert len(said) == 1 and said[0].startswith("error: "), said
     assert "multiple of 2" in said[0] and "--gradient_accumulation_steps=2" in said[0]
     assert not out.exists()
+
+
+def test_a_mistake_every_rank_hits_is_said_once_without_a_rank_prefix(data, tmp_path):
+    """A user error after the process group started was printed by every rank, each line
+    prefixed by torch's "[rankN]: ". Now the one line, once, as a single process says it
+    (the reference: the same command without torchrun). torchrun's own summary may follow."""
+    args = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY, "--vocab_size=10",
+            "--gradient_accumulation_steps=2"]
+    alone = one_line_error(train(*args, check=False))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", TRAIN, *args],
+                       capture_output=True, text=True, cwd=ROOT, env=env())
+    assert r.returncode != 0
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "vocab_size=10" in ln]
+    assert said == [alone], r.stderr[-3000:]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="a PATH without a compiler, POSIX style")

@@ -47,13 +47,13 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     def body(_):
+        name = "shakespeare_char" if args.char else "shakespeare"
+        out_dir = common.resolve_out_dir(name if args.out_dir is None else args.out_dir)
         path = args.input
         if path is None:
             path = os.path.join(REPO, "data", "shakespeare", "input.txt")
             if not os.path.exists(path):
                 download(path, args.timeout)
-        name = "shakespeare_char" if args.char else "shakespeare"
-        out_dir = common.resolve_out_dir(args.out_dir or name)
         options = common.prepare_options(args)
         if args.char:
             options.update(vocab_size=0, model_type="char")  # every character seen + bytes
