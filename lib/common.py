@@ -274,9 +274,9 @@ def configure(defaults, argv, given=None):
 def cpu_has_bf16():
     """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX) and torch uses it:
     there bf16 is faster than fp32, elsewhere emulated, ~100x slower. The flags are not enough
-    (a torch build, or ONEDNN_MAX_CPU_ISA, may not use them), so a product of each kind is
-    timed once: native bf16 beats float32, emulated is two orders of magnitude behind it, a
-    margin no load on the machine closes."""
+    (a torch build, or ONEDNN_MAX_CPU_ISA, may not use them), so products of each kind are
+    timed: native bf16 beats float32, emulated is two orders of magnitude behind it, a margin
+    that load on the machine does not close (one thread, kinds interleaved, best of each)."""
     import torch
     try:
         with open("/proc/cpuinfo") as f:
@@ -286,21 +286,27 @@ def cpu_has_bf16():
     if not (("avx512_bf16" in flags or "amx_bf16" in flags)
             and torch.backends.mkldnn.is_available()):
         return False
-    return matmul_seconds(torch.bfloat16) < matmul_seconds(torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no wait on a second thread that another process holds up
+    try:
+        best = {dtype: float("inf") for dtype in (torch.bfloat16, torch.float32)}
+        for _ in range(6):
+            for dtype in best:
+                best[dtype] = min(best[dtype], matmul_seconds(dtype))
+    finally:
+        torch.set_num_threads(threads)
+    return best[torch.bfloat16] < 2 * best[torch.float32]
 
 
-def matmul_seconds(dtype, n=256, tries=3):
-    """The best of a few n^3 products in `dtype` on this process's threads."""
+def matmul_seconds(dtype, n=256):
+    """The time of one n^3 product in `dtype` (after one that sets the kernel up)."""
     import time
     import torch
     a = torch.ones(n, n, dtype=dtype)
-    a @ a  # the first call sets the kernel up
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    return best
+    a @ a
+    t0 = time.perf_counter()
+    a @ a
+    return time.perf_counter() - t0
 
 
 def native_bf16(device_type):
