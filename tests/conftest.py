@@ -53,6 +53,20 @@ def pytest_report_header(config):
                                                 config.contract_overrides.items())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Every test in one torch thread. The tests' models are tiny: a second thread only adds
+    its hand-off, and on a loaded 2-core machine (CI, shared hosts) it waits for a core at
+    every op, which made in-process tests up to 100x slower (tests/test_model.py's overfit
+    test: 28 s on 2 threads, 0.2 s on 1, at load 2). Subprocesses choose their own (train.py's
+    tests pass OMP_NUM_THREADS=1)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def contract_cfg(pytestconfig):
     """The configuration tests/test_contract.py checks: the tiny base, with --model on top."""

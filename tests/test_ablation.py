@@ -99,7 +99,9 @@ def read_csv(path):
 
 
 @pytest.mark.slow
-def test_ablation_smoke(tmp_path, capsys):
+def test_ablation_smoke(tmp_path, capsys, monkeypatch):
+    # its 11 train.py subprocesses, one thread each (tiny models: see tests/conftest.py)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data, out = str(tmp_path / "data"), str(tmp_path / "out")
     make_data(data)
     argv = [f"--data_dir={data}", f"--out={out}", "--max_iters=4", "--eval_interval=2",

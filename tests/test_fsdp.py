@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
-from test_train import TINY, env, load, log, make_data, max_diff, torchrun, train  # noqa: E402
+from test_train import (TINY, env, load, log, make_data, max_diff, torchrun, train,  # noqa: E402
+                        train_here)
 
 # clipping at 0.3 is active on every step here (the norm is ~0.8), so a norm that were not
 # the global one would show in the losses
@@ -133,15 +134,15 @@ def test_two_ranks_save_one_process_resumes(runs, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_sample_reads_an_fsdp_out_dir(runs):
+def test_sample_reads_an_fsdp_out_dir(runs, capsys):
     """sample.py on the FSDP run's out_dir, unchanged: the same text as on the DDP run's."""
-    def sample(out):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={out}",
-                            "--start=alpha", "--temperature=0", "--max_new_tokens=40",
-                            "--stop_at_eos=False", "--device=cpu"],
-                           capture_output=True, text=True, cwd=ROOT, env=env())
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout
+    import sample as sample_py
+
+    def sample(out):  # in this process, as tests/test_sample.py runs it
+        capsys.readouterr()
+        sample_py.main([f"--out_dir={out}", "--start=alpha", "--temperature=0",
+                        "--max_new_tokens=40", "--stop_at_eos=False", "--device=cpu"])
+        return capsys.readouterr().out
     text = sample(runs["fsdp"])
     assert len(text) > 40 and text == sample(runs["ddp"])
 
@@ -245,7 +246,7 @@ def test_each_rank_holds_half_and_the_weights_of_one_process(tmp_path):
 
 
 def test_fsdp_needs_torchrun(data, tmp_path):
-    r = train(f"--data_dir={data}", f"--out_dir={tmp_path}", *TINY, "--fsdp=True", check=False)
+    r = train_here(f"--data_dir={data}", f"--out_dir={tmp_path}", *TINY, "--fsdp=True")
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: fsdp=True")
 

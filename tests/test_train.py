@@ -2,12 +2,15 @@
 runs: an unbroken run for resume and restart, one process for DDP, the first checkpoint for
 a failing run, the files themselves (sha256) for the tokenizer identity."""
 import atexit
+import contextlib
 import glob
 import hashlib
 import io
 import json
 import os
+import random
 import re
+import runpy
 import select
 import shlex
 import shutil
@@ -79,6 +82,60 @@ def train(*args, check=True, **extra):
     if check:
         assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def train_here(*args, **extra):
+    """train.py in this process, for commands that must stop with an error: what train()
+    returns, without a new interpreter importing torch (~1 s a command). An exception that
+    escapes goes to train.py's own sys.excepthook, as it would at the end of the script, and
+    the process-wide state train.py may touch (cwd, environment, excepthook, signal handlers,
+    global RNGs, lib.common's list of folders made) is put back afterwards."""
+    from lib import common
+    saved = (os.getcwd(), dict(os.environ), sys.argv, sys.excepthook, random.getstate(),
+             np.random.get_state(), torch.get_rng_state(), list(common.created_dirs),
+             {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)})
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        os.chdir(ROOT)
+        os.environ.clear()
+        os.environ.update(env(**extra))
+        sys.argv = [TRAIN, *args]
+        common.created_dirs.clear()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings_to(err):
+            try:
+                runpy.run_path(TRAIN, run_name="__main__")
+            except SystemExit as e:  # what the interpreter makes of sys.exit(code)
+                code = e.code or 0
+                if not isinstance(code, int):
+                    print(code, file=sys.stderr)
+                    code = 1
+            except Exception as e:
+                sys.excepthook(type(e), e, e.__traceback__)
+                code = 1
+    finally:
+        cwd, environ, sys.argv, sys.excepthook, r, n, t, made, handlers = saved
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+        random.setstate(r)
+        np.random.set_state(n)
+        torch.set_rng_state(t)
+        common.created_dirs[:] = made
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess([TRAIN, *args], code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def warnings_to(stream):
+    """Warnings as a script prints them on stderr (each one), not collected by pytest."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        stream.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
 
 
 def torchrun(nproc, *args, restarts=0, crash_at=None, **extra):
@@ -250,14 +307,14 @@ def test_resume_runs_this_commands_settings_and_records_what_ran(data, tmp_path)
     assert ck["tokens"] == log(out)[-1]["tokens"]
 
 
-def test_truncated_checkpoint_is_a_one_line_error(data, tmp_path):
+def test_truncated_checkpoint_is_a_one_line_error(data, trained, tmp_path):
     out = str(tmp_path / "out")
     common = [f"--data_dir={data}", f"--out_dir={out}", *TINY]
-    train(*common, "--max_iters=2")
+    shutil.copytree(trained, out)  # a run of TINY, 2 iterations
     path = os.path.join(out, "ckpt.pt")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    r = train(*common, "--max_iters=4", "--init_from=resume", check=False)
+    r = train_here(*common, "--max_iters=4", "--init_from=resume")
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith("error: cannot load") and "ckpt.pt" in lines[0]
@@ -355,14 +412,14 @@ def test_sigterm_saves_and_exits_zero(data, tmp_path):
     assert log(out)[-1]["iter"] == ck["iter_num"]  # the final state was evaluated too
 
 
-def test_sigterm_saves_before_evaluating(data, tmp_path):
+def test_sigterm_saves_before_evaluating(data, trained, tmp_path):
     """torchrun (and SLURM, Kubernetes) kill a worker some 30 s after SIGTERM, and a real
     evaluation can take longer than that, so the checkpoint must be written first. Here the
-    evaluation is made long (20,000 batches) and the process is killed 8 s after SIGTERM:
-    the step it stopped at must be on disk."""
+    evaluation is made long (20,000 batches) and the process is killed 8 s after SIGTERM, or
+    as soon as the step it stopped at is on disk, which it must be by then."""
     out = str(tmp_path / "out")
     common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--eval_interval=100000"]
-    train(*common, "--max_iters=2")
+    shutil.copytree(trained, out)  # a run of TINY, 2 iterations
     # resumed, so no evaluation runs at the start; one plain progress line per iteration
     p = subprocess.Popen([sys.executable, TRAIN, *common, "--max_iters=100000",
                           "--init_from=resume", "--eval_iters=20000", "--log_interval=1"],
@@ -375,11 +432,11 @@ def test_sigterm_saves_before_evaluating(data, tmp_path):
                     "iter 5/"):
                 break
         p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=8)
-        except subprocess.TimeoutExpired:
-            p.kill()  # the grace period is over
-            p.wait()
+        deadline = time.time() + 8  # the grace period; the evaluation alone takes longer
+        while time.time() < deadline and p.poll() is None and load(out)["iter_num"] < 5:
+            time.sleep(0.2)  # (ckpt.pt is replaced atomically: always a whole checkpoint)
+        p.kill()
+        p.wait()
     finally:
         if p.poll() is None:
             p.kill()
@@ -387,10 +444,10 @@ def test_sigterm_saves_before_evaluating(data, tmp_path):
     assert load(out)["iter_num"] >= 5
 
 
-def test_nan_loss_keeps_last_checkpoint(data, tmp_path):
+def test_nan_loss_keeps_last_checkpoint(data, trained, tmp_path):
     out = str(tmp_path / "out")
     common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32"]
-    train(*common, "--max_iters=4")
+    shutil.copytree(trained, out)  # a run of TINY, 2 iterations
     with open(os.path.join(out, "ckpt.pt"), "rb") as f:
         before = hashlib.sha256(f.read()).hexdigest()
     # a learning rate of 1e30 blows the weights up on the first step, the loss on the next
@@ -405,8 +462,9 @@ def test_nan_loss_keeps_last_checkpoint(data, tmp_path):
 @pytest.mark.slow
 def test_compile_trains_on_cpu(data, tmp_path):
     out = str(tmp_path / "out")
+    # one layer: inductor's compilation, most of this test's time, grows with the graph
     train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--compile=True", "--max_iters=20",
-          "--eval_interval=20", "--dtype=float32")
+          "--eval_interval=20", "--dtype=float32", "--n_layer=1")
     evals = log(out)
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3
     assert not any(k.startswith("_orig_mod") for k in load(out)["model"])
@@ -423,7 +481,7 @@ def test_compile_trains_on_cpu(data, tmp_path):
 ])
 def test_config_errors_are_one_line(args, message, data, tmp_path):
     args = [f"--data_dir={data}" if a == "DATA" else a for a in args]
-    r = train(f"--out_dir={tmp_path}", *args, check=False)
+    r = train_here(f"--out_dir={tmp_path}", *args)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
@@ -439,8 +497,8 @@ def test_the_build_hint_for_a_missing_dataset_is_a_command_that_builds_it(tmp_pa
     for i in range(6):
         (tmp_path / "corpus" / f"{i}.txt").write_text(" ".join(rng.choice(words, 400)))
     d = str(tmp_path / "built")
-    hint = one_line_error(train(f"--out_dir={tmp_path / 'out'}", "--dataset=text",
-                                f"--data_dir={d}", check=False))
+    hint = one_line_error(train_here(f"--out_dir={tmp_path / 'out'}", "--dataset=text",
+                                     f"--data_dir={d}"))
     cmd = shlex.split(hint.split("build it with: ", 1)[1])
     assert cmd[:2] == ["python", "data/text/prepare.py"] and "PATH" in cmd
     cmd = [sys.executable, cmd[1]] + [str(tmp_path / "corpus") if a == "PATH" else a
@@ -506,8 +564,8 @@ def test_a_damaged_dataset_is_one_line_before_training(tmp_path, damage):
         with open(os.path.join(d, "meta.json"), "w") as f:
             f.write('{"vocab_size": 64, "dtype": ')
     out = tmp_path / "out"
-    line = one_line_error(train(f"--data_dir={d}", f"--out_dir={out}", *TINY, "--max_iters=2",
-                                check=False))
+    line = one_line_error(train_here(f"--data_dir={d}", f"--out_dir={out}", *TINY,
+                                     "--max_iters=2"))
     if damage == "meta_not_json":
         assert "meta.json" in line and "JSON" in line
     else:
@@ -524,12 +582,14 @@ def test_token_ids_beyond_the_vocab_are_one_line(tmp_path):
     tokens = np.fromfile(os.path.join(d, "train.bin"), dtype=np.uint16)
     tokens[::50] = V + 30  # in every window of 33 tokens
     tokens.tofile(os.path.join(d, "train.bin"))
-    line = one_line_error(train(f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TINY,
-                                "--max_iters=2", check=False))
+    line = one_line_error(train_here(f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TINY,
+                                     "--max_iters=2"))
     assert "train.bin" in line and str(V + 30) in line and f"vocab_size is {V}" in line
 
 
 def test_a_failed_command_leaves_no_empty_out_dir(data, tmp_path):
+    """End to end, as a user sees it (the other error tests run train.py in this process):
+    the exit status, one line on stderr, and no folder left behind."""
     out = tmp_path / "new" / "out"
     line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY,
                                 "--n_embd=30", "--n_head=4", check=False))
@@ -549,7 +609,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_training(data, tmp
             pytest.skip("root writes to read-only folders")
         out.mkdir()
         out.chmod(0o555)
-    r = train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2", check=False)
+    r = train_here(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2")
     line = one_line_error(r)
     assert "cannot write" in line and str(tmp_path) in line
     assert "parameters" not in r.stdout  # nothing was built or trained
@@ -558,8 +618,8 @@ def test_an_out_dir_that_cannot_be_written_is_one_line_before_training(data, tmp
 def test_a_config_file_that_raises_is_one_line_naming_the_file_and_line(data, tmp_path):
     conf = tmp_path / "conf.py"
     conf.write_text("batch_size = 4\nn_layer = 2\nn_head = undefined_name\n")
-    line = one_line_error(train(str(conf), f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}",
-                                check=False))
+    line = one_line_error(train_here(str(conf), f"--data_dir={data}",
+                                     f"--out_dir={tmp_path / 'o'}"))
     assert str(conf) in line and "line 3" in line and "undefined_name" in line
 
 
@@ -570,19 +630,19 @@ def test_a_file_that_is_not_a_checkpoint_says_so_on_resume(data, tmp_path, conte
     out = tmp_path / "out"
     out.mkdir()
     (out / "ckpt.pt").write_bytes(content)
-    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY,
-                                "--init_from=resume", check=False))
+    line = one_line_error(train_here(f"--data_dir={data}", f"--out_dir={out}", *TINY,
+                                     "--init_from=resume"))
     assert "ckpt.pt" in line and "not a checkpoint" in line and "zipfile" not in line
 
 
-def test_weights_that_do_not_fit_model_args_are_one_line_on_resume(data, tmp_path):
+def test_weights_that_do_not_fit_model_args_are_one_line_on_resume(data, trained, tmp_path):
     out = str(tmp_path / "out")
     common = [f"--data_dir={data}", f"--out_dir={out}", *TINY]
-    train(*common, "--max_iters=2")
+    shutil.copytree(trained, out)  # a run of TINY, 2 iterations
     ck = load(out)
     ck["model_args"] = dict(ck["model_args"], n_embd=48)
     torch.save(ck, os.path.join(out, "ckpt.pt"))
-    line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume", check=False))
+    line = one_line_error(train_here(*common, "--max_iters=4", "--init_from=resume"))
     assert "do not fit" in line and "ckpt.pt" in line
 
 
@@ -668,11 +728,11 @@ def test_resume_without_the_config_file_checks_the_data_with_the_checkpoints_blo
     assert load(out)["iter_num"] == 3 and load(out)["model_args"]["block_size"] == 32
 
 
-def test_resuming_with_identical_flags_notes_no_change(data, tmp_path):
+def test_resuming_with_identical_flags_notes_no_change(data, trained, tmp_path):
     """vocab_size=0 means "from the dataset"; the checkpoint records the resolved 64, and the
     resume used to note "vocab_size changed"."""
     common = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY]
-    train(*common, "--max_iters=2")
+    shutil.copytree(trained, tmp_path / "out")  # made by `common`, 2 iterations
     r = train(*common, "--max_iters=4", "--init_from=resume")
     assert "changed" not in r.stdout, r.stdout
 
@@ -700,8 +760,8 @@ def test_wandb_resume_continues_the_same_run(data, tmp_path):
     (["--optimizer=muon", "--dtype=float16"], "float16"),
 ])
 def test_optimizer_choices_are_checked_in_one_line(data, tmp_path, args, message):
-    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", *TINY,
-                                *args, check=False))
+    line = one_line_error(train_here(f"--data_dir={data}", f"--out_dir={tmp_path / 'o'}", *TINY,
+                                     *args))
     assert message in line
     if "--dtype=float16" in args and torch.cuda.is_available():
         assert "GradScaler" in line and "muon" in line
@@ -731,13 +791,13 @@ def test_train_defaults_are_roformer_config_defaults():
             defaults["n_embd"]) == (256, 6, 6, 384)
 
 
-def test_resuming_with_another_optimizer_is_one_line(data, tmp_path):
+def test_resuming_with_another_optimizer_is_one_line(data, trained, tmp_path):
     """AdamW's state cannot continue as Muon's (or back): say which optimizer the checkpoint
     holds instead of failing inside load_state_dict."""
     common = [f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY]
-    train(*common, "--max_iters=2")
-    line = one_line_error(train(*common, "--max_iters=4", "--init_from=resume",
-                                "--optimizer=muon", check=False))
+    shutil.copytree(trained, tmp_path / "out")  # made by `common`, 2 iterations
+    line = one_line_error(train_here(*common, "--max_iters=4", "--init_from=resume",
+                                     "--optimizer=muon"))
     assert "--optimizer=adamw" in line
 
 
@@ -784,8 +844,7 @@ def test_values_that_make_no_sense_are_one_line_and_change_nothing(trained, data
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
     before = tree(out)
-    line = one_line_error(train(f"--data_dir={data}", f"--out_dir={out}", *TINY, *args,
-                                check=False))
+    line = one_line_error(train_here(f"--data_dir={data}", f"--out_dir={out}", *TINY, *args))
     assert message in line
     assert tree(out) == before
 
@@ -806,14 +865,14 @@ def test_muon_with_a_zero_learning_rate_freezes_adamws_part_only(data, tmp_path)
     assert [row["lr"] for row in log(probe)] == [0.0, 0.0]
 
 
-def test_a_torn_last_log_line_does_not_block_the_resume(data, tmp_path):
+def test_a_torn_last_log_line_does_not_block_the_resume(data, trained, tmp_path):
     """A crash in the middle of a log write leaves half a line; the resume used to die on it
     with a JSONDecodeError. The log is not the run's state: the half line goes, with a warning,
     and the resumed run logs on. The resume also says which checkpoint and iteration it
     continues from, read here from the file itself."""
     out = str(tmp_path / "out")
     common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--eval_interval=2"]
-    train(*common, "--max_iters=2")
+    shutil.copytree(trained, out)  # 2 iterations of TINY: evaluated at 0 and 2, as here
     with open(os.path.join(out, "log.jsonl"), "a") as f:
         f.write('{"iter": 4, "train_loss": 3.1')  # no end: the crash came here
     at = load(out)["iter_num"]
@@ -1087,15 +1146,15 @@ def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tm
              ([f"--data_dir={data}", "--pos_encoding=learned"], "pos_encoding=")]
     for i, (extra, words) in enumerate(cases):
         out = str(tmp_path / f"out{i}")
-        r = train(*TINY, f"--out_dir={out}", f"--init_from={base_run}", *extra, "--max_iters=2",
-                  check=False)
+        r = train_here(*TINY, f"--out_dir={out}", f"--init_from={base_run}", *extra,
+                       "--max_iters=2")
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
         assert words in lines[0], lines[0]
         assert not os.path.exists(out)
     before = load(base_run)["iter_num"]
-    r = train(f"--data_dir={data}", *TINY, f"--out_dir={base_run}", f"--init_from={base_run}",
-              "--max_iters=2", check=False)
+    r = train_here(f"--data_dir={data}", *TINY, f"--out_dir={base_run}",
+                   f"--init_from={base_run}", "--max_iters=2")
     assert r.returncode == 1 and "own out_dir" in r.stderr and load(base_run)["iter_num"] == before
 
 
