@@ -89,10 +89,12 @@ def train_here(*args, **extra):
     returns, without a new interpreter importing torch (~1 s a command). An exception that
     escapes goes to train.py's own sys.excepthook, as it would at the end of the script, and
     the process-wide state train.py may touch (cwd, environment, excepthook, signal handlers,
-    global RNGs, lib.common's list of folders made) is put back afterwards."""
-    from lib import common
+    global RNGs, lib.common's lists of folders and files made) is put back afterwards, and the
+    out_dir lock a run took is let go (a process ending does that for a real run)."""
+    from lib import common, run
     saved = (os.getcwd(), dict(os.environ), sys.argv, sys.excepthook, random.getstate(),
-             np.random.get_state(), torch.get_rng_state(), list(common.created_dirs),
+             np.random.get_state(), torch.get_rng_state(),
+             (list(common.created_dirs), list(common.created_files)),
              {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)})
     out, err, code = io.StringIO(), io.StringIO(), 0
     try:
@@ -101,6 +103,7 @@ def train_here(*args, **extra):
         os.environ.update(env(**extra))
         sys.argv = [TRAIN, *args]
         common.created_dirs.clear()
+        common.created_files.clear()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 warnings_to(err):
             try:
@@ -121,7 +124,9 @@ def train_here(*args, **extra):
         random.setstate(r)
         np.random.set_state(n)
         torch.set_rng_state(t)
-        common.created_dirs[:] = made
+        common.created_dirs[:], common.created_files[:] = made
+        while run.out_dir_lock:
+            os.close(run.out_dir_lock.pop())
         for s, h in handlers.items():
             signal.signal(s, h)
     return subprocess.CompletedProcess([TRAIN, *args], code, out.getvalue(), err.getvalue())
