@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from sample import generate, generate_stream  # noqa: E402
+from lib.decode import generate, generate_stream  # noqa: E402
 
 
 def tiny(**kw):
@@ -79,7 +79,7 @@ PEAK_RSS = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 from model import RoFormer, RoFormerConfig
-from sample import generate
+from lib.decode import generate
 torch.set_num_threads(1)
 torch.manual_seed(0)
 m = RoFormer(RoFormerConfig(vocab_size=61, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval()
