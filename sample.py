@@ -19,7 +19,6 @@ import torch
 
 from lib import decode
 from lib.common import UserError, cli, configure, pick_device
-from lib.decode import generate  # noqa: F401  (re-exported: `from sample import generate`)
 from lib.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------
