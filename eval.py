@@ -48,9 +48,9 @@ from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
 from lib.common import UserError, cli, configure, pick_device
+from lib.load import dataset_dir, describe, load_run
 from lib.run_tokenizer import folder_read
 from model import KVCache
-from sample import dataset_dir, describe, load_run
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"

@@ -22,8 +22,8 @@ import torch.nn as nn
 
 from data.dataset import open_split
 from lib.common import UserError, atomic_write, cli, configure
+from lib.load import dataset_dir, load_run
 from model import ntk_base
-from sample import dataset_dir, load_run
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"

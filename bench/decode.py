@@ -33,7 +33,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from sample import generate, generate_stream  # noqa: E402
+from lib.decode import generate, generate_stream  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 

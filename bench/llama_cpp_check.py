@@ -23,8 +23,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import sample  # noqa: E402
 from lib.common import cli  # noqa: E402
+from lib.load import load_run  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 from lib import gguf as gguf_export  # noqa: E402
@@ -54,7 +54,7 @@ def main():
     import llama_cpp  # noqa: F401  (fail early, before exporting)
 
     torch.set_num_threads(1)
-    model, sp, ckpt = sample.load_run(args.out_dir, torch.device("cpu"), "float32")
+    model, sp, ckpt = load_run(args.out_dir, torch.device("cpu"), "float32")
     val, _ = evalpy.own_split(ckpt, "val")
     ids = [sp.eos_id()] + val[:args.tokens].tolist()  # a split starts after a document's end
     nbytes = len(sp.decode(ids[1:]).encode("utf-8"))

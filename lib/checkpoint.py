@@ -1,5 +1,5 @@
 """
-Building the model, and ckpt.pt: train.py builds and saves here, lib/resume.py and sample.py's
+Building the model, and ckpt.pt: train.py builds and saves here, lib/resume.py and lib/load.py's
 load_run read with `read` (and apply RoPE scaling flags to its model_args with `rescale`). What
 ckpt.pt holds, and why it is the commit point: docs/TRAINING.md.
 """

@@ -1,4 +1,4 @@
-"""lib/checkpoint.py, the one module that reads and writes checkpoints, and sample.py's load_run: its RoPE scaling
+"""lib/checkpoint.py, the one module that reads and writes checkpoints, and lib/load.py's load_run: its RoPE scaling
 overrides against a model built with that scaling directly, files that are not checkpoints, a
 full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
 the training device/dtype rules of lib/common.pick_device. A mistake is a UserError whose
@@ -15,9 +15,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import sample  # noqa: E402
 from lib import checkpoint, common  # noqa: E402
 from lib.common import UserError  # noqa: E402
+from lib.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -60,7 +60,7 @@ def test_rope_scaling_none_switches_a_checkpoints_scaling_off(tmp_path, tokenize
     weights. It used to be refused, because the stored factor (4) stayed with 'none'."""
     out = str(tmp_path / "run")
     scaled = write_run(out, tokenizer, rope_scaling="ntk", rope_factor=4.0)
-    model, _, _ = sample.load_run(out, torch.device("cpu"), "float32", rope_scaling="none")
+    model, _, _ = load_run(out, torch.device("cpu"), "float32", rope_scaling="none")
     assert model.config.rope_scaling == "none" and model.config.rope_factor == 1.0
     plain = RoFormer(RoFormerConfig(**ARGS))
     plain.load_state_dict(scaled.state_dict())
@@ -69,7 +69,7 @@ def test_rope_scaling_none_switches_a_checkpoints_scaling_off(tmp_path, tokenize
     # the scaling was on: past a few positions the ntk angles differ (small, at random init)
     assert (logits(model) - logits(scaled.eval())).abs().max() > 1e-5
     # and the other way round: a scaling given at inference reaches the model
-    model, _, _ = sample.load_run(out, torch.device("cpu"), "float32", rope_scaling="linear",
+    model, _, _ = load_run(out, torch.device("cpu"), "float32", rope_scaling="linear",
                                       rope_factor=2.0)
     assert (model.config.rope_scaling, model.config.rope_factor) == ("linear", 2.0)
 
@@ -85,11 +85,11 @@ def test_rope_scaling_mistakes_are_one_line(tmp_path, tokenizer):
         (learned, dict(rope_scaling="ntk", rope_factor=2.0), "applies to RoPE models"),
     ]:
         with pytest.raises(UserError) as e:
-            sample.load_run(out, cpu, "float32", **kwargs)
+            load_run(out, cpu, "float32", **kwargs)
         assert words in str(e.value), e.value
         assert "\n" not in str(e.value)
     # switching scaling off on a model that never had it is no mistake
-    model, _, _ = sample.load_run(learned, cpu, "float32", rope_scaling="none")
+    model, _, _ = load_run(learned, cpu, "float32", rope_scaling="none")
     assert model.config.rope_factor == 1.0
 
 
@@ -106,7 +106,7 @@ def test_a_bad_rope_scaling_flag_is_blamed_on_the_flag(tmp_path, tokenizer):
         (tiny_heads, dict(rope_scaling="ntk", rope_factor=2.0), "head dim 2 must be above 2"),
     ]:
         with pytest.raises(UserError) as e:
-            sample.load_run(out, torch.device("cpu"), "float32", **kwargs)
+            load_run(out, torch.device("cpu"), "float32", **kwargs)
         msg = str(e.value)
         assert "\n" not in msg and words in msg, msg
         assert "ckpt.pt" not in msg and "--rope_scaling=" in msg
@@ -114,7 +114,7 @@ def test_a_bad_rope_scaling_flag_is_blamed_on_the_flag(tmp_path, tokenizer):
     torch.save(dict(torch.load(os.path.join(rope, "ckpt.pt"), weights_only=True),
                     model_args=dict(ARGS, n_head=3)), os.path.join(rope, "ckpt.pt"))
     with pytest.raises(UserError) as e:
-        sample.load_run(rope, torch.device("cpu"), "float32", rope_scaling="ntk",
+        load_run(rope, torch.device("cpu"), "float32", rope_scaling="ntk",
                             rope_factor=2.0)
     assert "model config in" in str(e.value) and "ckpt.pt" in str(e.value)
 
@@ -134,7 +134,7 @@ def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path, tokenizer, content):
         checkpoint.read(path)
     assert "not a checkpoint" in str(e.value) and path in str(e.value)
     with pytest.raises(UserError) as e:
-        sample.load_run(out, torch.device("cpu"), "float32")
+        load_run(out, torch.device("cpu"), "float32")
     msg = str(e.value)
     assert msg.startswith("cannot load") and "not a checkpoint" in msg, msg
     assert "zipfile" not in msg and "\n" not in msg

@@ -8,7 +8,7 @@ Each property is a plain function check_<property>(cfg, model_factory) that rais
 AssertionError naming the property; model_factory(cfg) builds the model (RoFormer, or one of
 the deliberately broken variants at the end, which prove each check can fail). The checks
 use the public API only: RoFormer(cfg), forward(idx, targets) -> (logits, loss), and the
-decoding primitives sample.py drives (new_cache, prefill, the one-token step)."""
+decoding primitives lib/decode.py drives (new_cache, prefill, the one-token step)."""
 import contextlib
 import io
 import inspect
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import sample as decoding  # noqa: E402
+from lib import decode as decoding  # noqa: E402
 import model as model_module  # noqa: E402
 from model import RoFormer  # noqa: E402
 
@@ -62,7 +62,7 @@ def max_diff(a, b):
 
 @torch.no_grad()
 def cached_logits(model, idx, split):
-    """Logits at positions split-1 .. T-1 as sample.py computes them: the first split tokens
+    """Logits at positions split-1 .. T-1 as lib/decode.py computes them: the first split tokens
     prefilled (in chunks of the window), then the rest fed one token per cached step."""
     total = idx.size(1)
     cache = model.new_cache(total, idx.device)

@@ -1,6 +1,7 @@
 """The decode loop's performance contracts, checked by what can be observed on a CPU: no
 device value read back to the host per token, one static compiled graph whose tokens equal
 the eager path's, and prompt-length-independent memory for the prefill."""
+import ast
 import importlib
 import os
 import subprocess
@@ -13,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from lib.decode import generate, generate_stream  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from sample import generate, generate_stream  # noqa: E402
 
 
 def tiny(**kw):
@@ -79,7 +80,7 @@ PEAK_RSS = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 from model import RoFormer, RoFormerConfig
-from sample import generate
+from lib.decode import generate
 torch.set_num_threads(1)
 torch.manual_seed(0)
 m = RoFormer(RoFormerConfig(vocab_size=61, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval()
@@ -176,3 +177,35 @@ def test_compile_leaves_no_jit_deprecation_warnings():
         importlib.reload(mkldnn)
         warnings.warn("still shown", DeprecationWarning)
     assert [str(w.message) for w in seen] == ["still shown"]
+
+
+def imported_modules(path):
+    """The dotted names of every module the file at `path` imports, wherever it does
+    (`from lib import x` counts as lib.x)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            names |= {f"{n.module}.{a.name}" for a in n.names} if n.module == "lib" else {n.module}
+    return names
+
+
+def test_sample_py_is_a_script_that_nothing_imports():
+    """sample.py is the command line only: no project module (lib/, the scripts, bench/) imports
+    it, since the decoding is lib/decode.py and the run loader lib/load.py; and the decoding
+    needs nothing of the project past model.py (no loader, no tokenizer, no checkpoint)."""
+    importers = []
+    for folder, _, files in os.walk(ROOT):
+        rel = os.path.relpath(folder, ROOT)
+        if rel != "." and (rel.startswith(".") or rel.split(os.sep)[0] == "tests"):
+            continue
+        importers += [os.path.relpath(os.path.join(folder, name), ROOT) for name in files
+                      if name.endswith(".py") and
+                      "sample" in imported_modules(os.path.join(folder, name))]
+    assert importers == [], f"these import sample.py, a script: {importers}"
+    used = {m for m in imported_modules(os.path.join(ROOT, "lib", "decode.py"))
+            if m.split(".")[0] != "torch"}
+    assert "model" in used and used <= {"model", "lib.common"}, used

@@ -2,7 +2,7 @@
 eval.py against independent references: the sliding window's coverage checked target by
 target, and the reported loss against a naive loop that runs the model once per scored token
 on exactly the context the window rule gives it (a closed form, not eval.py's loop). Also the
-shared loader's one-line errors (sample.py). The run here is trained for a few steps with
+shared loader's one-line errors (lib/load.py). The run here is trained for a few steps with
 the real train.py on a corpus built with data/common.py, so its tokenizer has the settings of
 every real run (identity normalisation, no dummy prefix, byte fallback, "\\n" piece).
 test_export.py reuses `make_run`.
@@ -208,7 +208,7 @@ def test_argument_and_input_errors(run, tmp_path):
 
 
 def test_loader_errors(run, tmp_path):
-    """sample.load_run, shared with sample.py and export.py: missing folder or file, a
+    """lib/load.py's load_run, shared with sample.py and export.py: missing folder or file, a
     truncated file, weights that do not fit, a tokenizer retrained since."""
     a = ("--split=val",)
     assert "does not exist" in err(f"--out_dir={tmp_path / 'nope'}", *a)

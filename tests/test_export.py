@@ -28,8 +28,9 @@ transformers = pytest.importorskip("transformers", reason="the exported folder i
                                    "loading it with transformers")
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-import sample as decoding  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
+from lib import decode as decoding  # noqa: E402
+from lib import load as loader  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402
                        one_thread)  # noqa: F401 (an autouse fixture)
@@ -364,7 +365,7 @@ class QKNormRoFormer(RoFormer):
 def test_a_changed_model_is_refused_before_anything_is_written(run, tmp_path, monkeypatch, kind):
     if kind == "gguf":
         pytest.importorskip("gguf")
-    monkeypatch.setattr(decoding, "RoFormer", QKNormRoFormer)  # load_run builds this one
+    monkeypatch.setattr(loader, "RoFormer", QKNormRoFormer)  # load_run builds this one
     args = run["ckpt"]["model_args"]
     state = QKNormRoFormer(RoFormerConfig(**args)).state_dict()
     out = save_run(tmp_path / "out", run["ckpt"], args, state)

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.optim import build_optimizer  # noqa: E402
 from lib.run import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table  # noqa
-from sample import generate, sample_next  # noqa: E402
+from lib.decode import generate, sample_next  # noqa: E402
 
 POS_ENCODINGS = ["rope", "learned", "sinusoidal", "none"]
 # The message of the tests that pin today's architecture (the float64 reference model, the

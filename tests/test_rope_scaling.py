@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import sample  # noqa: E402
+from lib.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig, rope_table  # noqa: E402
 from test_checkpoint import ARGS, logits, tokenizer, write_run  # noqa: E402,F401
 
@@ -97,10 +97,10 @@ def test_a_run_without_rope_original_loads_as_before(tmp_path, tokenizer):  # no
     del ckpt["model_args"]["rope_original"]
     torch.save(ckpt, os.path.join(out, "ckpt.pt"))
     cpu = torch.device("cpu")
-    loaded, _, _ = sample.load_run(out, cpu, "float32")
+    loaded, _, _ = load_run(out, cpu, "float32")
     assert loaded.config.original_context == ARGS["block_size"]
     assert torch.equal(logits(loaded), logits(model.eval()))
-    scaled, _, _ = sample.load_run(out, cpu, "float32", rope_scaling="yarn", rope_factor=4.0)
+    scaled, _, _ = load_run(out, cpu, "float32", rope_scaling="yarn", rope_factor=4.0)
     assert scaled.config.context_window == 4 * ARGS["block_size"]
     direct = RoFormer(RoFormerConfig(**dict(ARGS, rope_scaling="yarn", rope_factor=4.0,
                                             rope_original=ARGS["block_size"]))).eval()

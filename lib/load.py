@@ -1,0 +1,94 @@
+"""
+Loading a run: checkpoint -> model and tokenizer (`load_run`), the dataset folder it read
+(`dataset_dir`, `tokenizer_sha256`), and the one-line summary (`describe`). sample.py, eval.py
+and export.py load through here.
+"""
+import os
+
+import torch
+
+from lib import run_tokenizer
+from lib.checkpoint import misfit, read, rescale
+from lib.common import UserError
+from model import RoFormer, RoFormerConfig
+
+
+def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=0.0):
+    """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
+    checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) change the
+    rotation at inference, which needs no retraining."""
+    if not out_dir:
+        raise UserError("out_dir is empty: pass the run's folder, --out_dir=DIR")
+    if not os.path.isdir(out_dir):
+        raise UserError(f"out_dir {out_dir!r} does not exist (train first, or pass --out_dir=DIR)")
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(ckpt_path):
+        raise UserError(f"no checkpoint at {ckpt_path}")
+    ckpt = read(ckpt_path)
+    try:
+        config = RoFormerConfig(**ckpt["model_args"])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model config in {ckpt_path}: {e}") from None
+    if rope_scaling or rope_factor:  # the checkpoint's config is valid: a refusal is the flags'
+        args = rescale(ckpt["model_args"], rope_scaling, rope_factor)
+        try:
+            config = RoFormerConfig(**args)
+        except ValueError as e:
+            flags = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
+            flags = " ".join(f"--{k}={v}" for k, v in flags.items() if v)
+            raise UserError(f"{flags} does not fit this model: {e}") from None
+    model = RoFormer(config)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:  # weights of another shape or another model file
+        raise UserError(misfit(ckpt_path, e)) from None
+    model.eval().to(device=device, dtype=getattr(torch, dtype))
+    sp = run_tokenizer.load(run_tokenizer.find(out_dir, ckpt.get("tokenizer"), tokenizer))
+    if sp.get_piece_size() > model.config.vocab_size:
+        raise UserError(f"tokenizer has {sp.get_piece_size()} pieces, the model only "
+                        f"{model.config.vocab_size}")
+    return model, sp, ckpt
+
+
+def dataset_dir(ckpt, gone_ok=False):
+    """The folder of the run's dataset (val.bin, meta.json), for eval.py --split and export.py's
+    check. A run records the folder it read (config data_dir, an absolute path): that folder, or
+    a UserError saying it is gone (None with gone_ok); never another corpus. Older checkpoints
+    hold the --data_dir given ("" or relative: no record) and keep the old search: that
+    data_dir, the tokenizer's folder, data/<dataset> (None when none is there). Either way a
+    folder whose tokenizer.model is not the run's is refused: its val.bin holds another
+    vocabulary's ids."""
+    info = ckpt.get("tokenizer") or {}
+    recorded = (ckpt.get("config") or {}).get("data_dir")
+    recorded = recorded if recorded and os.path.isabs(recorded) else None
+    candidates = [recorded] if recorded else [info.get("data_dir")] + [
+        os.path.dirname(p) for p in run_tokenizer.recorded_places(info)]
+    found = [d for d in candidates
+             if d and all(os.path.isfile(os.path.join(d, f)) for f in ("val.bin", "meta.json"))]
+    for d in found:
+        if not info.get("sha256") or tokenizer_sha256(d) == info["sha256"]:
+            return d  # (a run without tokenizer.model has nothing to check)
+    if found:
+        what = "missing" if tokenizer_sha256(found[0]) is None else "another"
+        raise UserError(f"{found[0]} is not the dataset this run read: its tokenizer.model is "
+                        f"{what} (the run's has sha256 {info['sha256'][:12]}...): prepared "
+                        f"again since, or another corpus")
+    if recorded and not gone_ok:
+        raise UserError(f"the run read its data from {recorded}, which is gone (no val.bin and "
+                        f"meta.json there)")
+    return None
+
+
+def tokenizer_sha256(folder):
+    return run_tokenizer.sha256(os.path.join(folder, run_tokenizer.NAME))
+
+
+def describe(out_dir, ckpt, model):
+    """One line about the loaded run, for stderr."""
+    c, p = model.config, next(model.parameters())
+    dtype = str(p.dtype).removeprefix("torch.")
+    return (f"{os.path.join(out_dir, 'ckpt.pt')}: iter {ckpt.get('iter_num')}, val loss "
+            f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M "
+            f"params, {c.attention} attention, {c.pos_encoding} positions, rope_scaling "
+            f"{c.rope_scaling} x{c.rope_factor:g}, window {c.context_window} (original context "
+            f"{c.original_context}); {p.device} {dtype}")
