@@ -31,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from data.dataset import open_split
+from data.dataset import check_split_sizes, open_dataset, open_split
 from lib import checkpoint, common, optim, run, run_tokenizer
 from lib.build import build_model
 from lib.common import UserError, configure
@@ -159,7 +159,7 @@ config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
-ddir, meta = run.open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
+ddir, meta = open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
 run_id, restarts = run.run_identity()
@@ -202,7 +202,7 @@ config.update(model_args)  # the checkpoint records the model that ran, not the 
 block_size = mconf.block_size
 run.check_fits(run.training_memory(mconf, batch_size, world if fsdp else 1,  # before allocating
                                    activation_checkpointing), dev)
-run.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
+check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
 
 
 def get_batch(split, rng, bs, T):
