@@ -56,6 +56,9 @@ class RoFormerConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         rope, hd = self.pos_encoding == "rope", self.n_embd // self.n_head
+        if self.attention == "linear" and self.pos_encoding in RELATIVE:
+            raise ValueError(f"pos_encoding={self.pos_encoding!r} biases the attention scores, "
+                             "which linear attention never forms: use attention='softmax'")
         if not rope:  # a baseline's own settings, checked where the baselines live
             baselines().check(self)
         for wrong, why in [

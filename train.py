@@ -15,13 +15,14 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py; lib/run.py (the run's operations: ids, out_dir, dataset folder, log.jsonl,
-progress, signals, MFU), lib/checkpoint.py (model building, AdamW, ckpt.pt), lib/common.py
-(config parser, device/dtype, one-line errors); when used, lib/resume.py (starting from a
-checkpoint), lib/parallel.py (torchrun: DDP / FSDP2), lib/optim.py (Muon), lib/wandb_run.py.
+Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, progress, signals,
+MFU), lib/build.py (the model), lib/optim.py (AdamW, Muon, their rules), lib/checkpoint.py,
+lib/common.py (config parser, device/dtype, one-line errors); when used, lib/resume.py (starting
+from a checkpoint), lib/parallel.py (torchrun: DDP / FSDP2), lib/wandb_run.py.
 """
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -30,8 +31,9 @@ import time
 import numpy as np
 import torch
 
-from data.dataset import open_split
-from lib import checkpoint, common, run, run_tokenizer
+from data.dataset import check_split_sizes, open_dataset, open_split
+from lib import checkpoint, common, optim, run, run_tokenizer
+from lib.build import build_model
 from lib.common import UserError, configure
 from model import RoFormerConfig
 
@@ -111,11 +113,7 @@ if not init_from:
 if warmup_iters > lr_decay_iters:
     raise UserError(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters "
                     f"({lr_decay_iters})")
-if optimizer not in ("adamw", "muon"):
-    raise UserError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
-if fsdp and optimizer == "muon":
-    raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
-                    "optimizer state is supported for AdamW only; use DDP or optimizer=adamw")
+optim.check(optimizer, fsdp)
 try:  # the model flags as given, now: a mistake must not wait until out_dir has been prepared
     RoFormerConfig(**{**{k: config[k] for k in MODEL_KEYS}, "vocab_size": vocab_size or 1})
 except ValueError as e:
@@ -140,11 +138,7 @@ local_steps = gradient_accumulation_steps // world  # micro-steps this process r
 dev, dtype = common.pick_device(device, dtype, training=True)
 if fsdp and dtype == "float16":
     raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
-if optimizer == "muon" and dtype == "float16":  # what auto picks on GPUs without bf16
-    if config["dtype"] != "auto":
-        raise UserError("optimizer=muon does not work with dtype=float16 (the GradScaler steps "
-                        "one torch optimizer, not Muon paired with AdamW): use bfloat16 or float32")
-    dtype = "float32"
+dtype = optim.training_dtype(optimizer, dtype, config["dtype"])
 if ddp:  # one GPU per process: cuda:LOCAL_RANK
     dev = parallel.init_process_group(dev, rank, local_rank, world)
 device, device_type = str(dev), dev.type
@@ -165,7 +159,7 @@ config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
-ddir, meta = run.open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
+ddir, meta = open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
 run_id, restarts = run.run_identity()
@@ -208,7 +202,7 @@ config.update(model_args)  # the checkpoint records the model that ran, not the 
 block_size = mconf.block_size
 run.check_fits(run.training_memory(mconf, batch_size, world if fsdp else 1,  # before allocating
                                    activation_checkpointing), dev)
-run.check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
+check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
 
 
 def get_batch(split, rng, bs, T):
@@ -231,24 +225,13 @@ def get_batch(split, rng, bs, T):
 # ----------------------------------------------------------------------------------------
 # model (built on the meta device, wrapped: DDP, or FSDP and sharded; then initialised from the
 # seed) and optimizer
-if ddp:
-    raw_model, model, eval_model = parallel.build_model(
-        mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
-        param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
-        activation_checkpointing=activation_checkpointing)
-else:
-    raw_model = checkpoint.build_model(mconf, seed, device,
-                                       activation_checkpointing=activation_checkpointing)
-    model = eval_model = torch.compile(raw_model) if compile else raw_model
-if optimizer == "muon":
-    from lib.optim import build_optimizer
-    try:
-        opt = build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type,
-                              name="muon", muon_lr=muon_lr, muon_momentum=muon_momentum)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-else:
-    opt = checkpoint.adamw(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type)
+raw_model, model, eval_model = build_model(
+    mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
+    param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
+    activation_checkpointing=activation_checkpointing)
+opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type,
+                            name=optimizer, muon_lr=muon_lr, muon_momentum=muon_momentum,
+                            fsdp=fsdp)
 # fp16 needs loss scaling; bf16 and fp32 do not (a disabled scaler passes everything through)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
 iter_num, best_val_loss, tokens_seen, wandb_id = 0, float("inf"), 0, None
@@ -287,11 +270,12 @@ def lr_factor(it):
 def save_checkpoint():
     """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
     call it (an FSDP save is a collective)."""
-    checkpoint.save(ckpt_path, {
+    save = parallel.save_sharded if fsdp else functools.partial(checkpoint.save, rank=rank)
+    save(ckpt_path, {
         "scaler": scaler.state_dict() or None,  # {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "run_id": run_id, "wandb_id": wandb_id, "model_args": model_args, "config": config,
-        "tokenizer": tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt, rank)
+        "tokenizer": tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
 @torch.no_grad()

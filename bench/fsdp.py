@@ -1,7 +1,7 @@
 """
 Peak memory per rank and step time, DDP vs FSDP (fsdp=True), on N ranks of this machine
 (gloo on CPU, nccl on GPUs). Each mode runs in its own torchrun with the model, wrapping and
-optimizer of train.py (parallel.build_model, AdamW), on random tokens.
+optimizer of train.py (build.build_model, AdamW), on random tokens.
 
     python bench/fsdp.py                                  # 2 CPU ranks, ~25M-parameter model
     python bench/fsdp.py --nproc=2 --n_layer=4 --n_embd=256 --steps=3
@@ -37,7 +37,7 @@ def rss(field):
 def worker(args, mode, out):
     import torch.distributed as dist
 
-    from lib import parallel
+    from lib import build, parallel
     from model import RoFormerConfig
     from lib.optim import build_optimizer
     cuda = args["device"] == "cuda"
@@ -50,7 +50,7 @@ def worker(args, mode, out):
     cfg = RoFormerConfig(**{k: args[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size",
                                                  "block_size")})
     base = torch.cuda.memory_allocated() if cuda else rss("VmRSS")
-    raw, model, _ = parallel.build_model(
+    raw, model, _ = build.build_model(
         cfg, 1337, device, fsdp=mode == "fsdp", ddp=mode == "ddp",
         param_dtype=torch.bfloat16 if bf16 and mode == "fsdp" else None)
     opt = build_optimizer(raw, 1e-4, 0.1, device_type=device.split(":")[0])

@@ -2,10 +2,12 @@
 split, so every reader gets the same checks and a mistake is a UserError naming the file."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 
-from lib.common import UserError
+from lib.common import REPO, UserError
 
 
 def load_meta(ddir):
@@ -70,3 +72,43 @@ def open_split(ddir, split, meta=None):
     if size == 0:
         raise UserError(f"{path} is empty; prepare the dataset again")
     return np.memmap(path, dtype=dtype, mode="r")
+
+
+def open_dataset(dataset, data_dir, master, ddp, named=True):
+    """(folder, meta.json) of the dataset, with both splits checked against meta.json. The
+    default corpus is built from this Python's standard library (no download, so the first
+    command works on a fresh clone): rank 0 builds it, the others wait at the barrier. `named`:
+    --dataset was given (else a --data_dir folder's corpus is unknown, not the default's)."""
+    ddir = data_dir or os.path.join(REPO, "data", dataset)
+    needed = ["train.bin", "val.bin", "meta.json"]
+    missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
+    if missing and dataset == "pystdlib" and not data_dir:
+        script = f"data/{dataset}/prepare.py"
+        if master:
+            print(f"data/{dataset} not found: building it with {script} ...", flush=True)
+            rc = subprocess.run([sys.executable, os.path.join(REPO, script)]).returncode
+            if rc:
+                raise UserError(f"python {script} failed (exit {rc})")
+        if ddp:
+            import torch.distributed as dist  # only under torchrun
+            dist.barrier()
+        missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
+    if missing:
+        from data.common import prepare_command  # only now: it imports the corpus tools
+        name = dataset if named or not data_dir else ""  # "": the user's text (data/text)
+        what = f"dataset '{name}'" if name else "the dataset"
+        raise UserError(f"{what} not found ({ddir} lacks {', '.join(missing)}); build it with: "
+                        f"{prepare_command(name, data_dir)}")
+    meta = load_meta(ddir)
+    for split in ("train", "val"):
+        open_split(ddir, split, meta)
+    return ddir, meta
+
+
+def check_split_sizes(ddir, meta, block_size):
+    """Both splits hold at least one window of block_size + 1 tokens."""
+    for split in ("train", "val"):
+        tokens = len(open_split(ddir, split, meta))
+        if tokens < block_size + 1:
+            raise UserError(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
+                            f"{block_size + 1}; lower block_size or use more data")

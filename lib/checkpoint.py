@@ -1,10 +1,9 @@
 """
-Building the model, and ckpt.pt: train.py builds and saves here, lib/resume.py and lib/load.py's
+ckpt.pt: train.py saves here, lib/resume.py and lib/load.py's
 load_run read with `read` (and apply RoPE scaling flags to its model_args with `rescale`). What
 ckpt.pt holds, and why it is the commit point: docs/TRAINING.md.
 """
 import contextlib
-import functools
 import os
 import random
 import zipfile
@@ -13,92 +12,6 @@ import numpy as np
 import torch
 
 from lib.common import UserError, atomic_write, remove
-from model import RoFormer, init_parameter
-
-
-# ----------------------------------------------------------------------------------------
-# the model and its optimizer, built the same way for one process, DDP and FSDP
-
-def build_model(mconf, seed, device, shard=None, activation_checkpointing=False):
-    """The RoFormer, built on the meta device (shapes only), sharded by `shard` if given
-    (lib/parallel.py's FSDP, applied from outside), and only then given memory on `device` and
-    initialised from `seed`: with FSDP no rank ever holds more than its shard plus one full
-    parameter, and every mode starts from the same weights."""
-    with torch.device("meta"):
-        model = RoFormer(mconf)
-    if activation_checkpointing:
-        # Keep only each block's input for backward and recompute the rest: the forward runs
-        # twice, the activation memory drops to one block's. The module is not wrapped, so
-        # parameter names (and checkpoints) stay the same.
-        from torch.utils.checkpoint import checkpoint
-        for block in model.blocks:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    if shard:
-        shard(model)
-    materialise(model, device)
-    init_weights(model, seed)
-    return model
-
-
-def materialise(model, device):
-    """Give a meta-built model uninitialised memory on `device`. to_empty loses two things
-    that are put back here: ties between parameters (on a plain module wte and lm_head would
-    come apart; FSDP keeps them) and buffers computed at construction (the position tables,
-    which model.py builds on the CPU even under the meta device)."""
-    owners, buffers = {}, []
-    for mname, mod in model.named_modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, name))
-        for name, b in mod._buffers.items():
-            if b is not None and b.is_meta and b.numel():
-                raise RuntimeError(f"buffer {mname}.{name} was built on the meta device: nothing "
-                                   f"would give it its values after to_empty")
-            if b is not None and not b.is_meta:
-                buffers.append((mod, name, b))
-    model.to_empty(device=device)
-    for shared in owners.values():
-        first = getattr(*shared[0])
-        for mod, name in shared[1:]:
-            if getattr(mod, name) is not first:
-                setattr(mod, name, first)
-    for mod, name, b in buffers:
-        setattr(mod, name, b.to(device))
-
-
-@torch.no_grad()
-def init_weights(model, seed):
-    """model.init_parameter (the one rule), drawn so that it does not depend on the sharding:
-    each full parameter in turn from one generator seeded with `seed` on every rank, each rank
-    keeping its own shard of it (sharded random ops would give every number of ranks other
-    weights)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():  # the tied head is wte's weight: drawn once
-        full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        init_parameter(name, full, model.config.n_layer, gen)
-        if hasattr(p, "device_mesh"):  # a DTensor: this rank's piece, cut locally
-            from torch.distributed.tensor import distribute_tensor
-            full = distribute_tensor(full, p.device_mesh, p.placements,
-                                     src_data_rank=None).to_local()
-            p = p.to_local()
-        p.copy_(full)
-
-
-def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
-          exclude=()):
-    """AdamW with weight decay on matrices (linears, embeddings) only, not on norms or biases;
-    parameters in `exclude` (ids) are left to another optimizer (lib/optim.py's Muon). Every
-    group carries "base_lr", its peak rate: train.py sets lr to that times the schedule."""
-    params = [p for p in model.parameters() if p.requires_grad and id(p) not in exclude]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # fused: one kernel over all parameters on CUDA and on CPU (the default there is a Python
-    # loop over the parameters, which a small model's step feels; docs/OPTIM.md)
-    opt = torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
-                            fused=True if device_type in ("cuda", "cpu") else None)
-    for g in opt.param_groups:
-        g["base_lr"] = learning_rate
-    return opt
 
 
 # ----------------------------------------------------------------------------------------
@@ -197,11 +110,8 @@ def commit(path, ckpt):
 
 def save(path, meta, raw_model, optimizer, rank=0):
     """Write the checkpoint `path` (out_dir/ckpt.pt): `meta` (iteration, RNG, config, ...) plus
-    the full model weights and the optimizer. Every rank calls it: an FSDP model's save is a
-    collective (lib/parallel.py); otherwise rank 0 writes. A UserError (one line) when it
-    cannot write; the previous checkpoint stays."""
-    if hasattr(raw_model, "reshard"):  # FSDP2's modules have it
-        from lib import parallel
-        return parallel.save_sharded(path, meta, raw_model, optimizer)
+    the full model weights and the optimizer; rank 0 writes (an FSDP model saves with
+    lib/parallel.save_sharded instead, a collective). A UserError (one line) when it cannot
+    write; the previous checkpoint stays."""
     if rank == 0:  # the uncompiled module's state: no _orig_mod. prefixes
         commit(path, dict(meta, model=raw_model.state_dict(), optimizer=optimizer.state_dict()))

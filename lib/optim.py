@@ -8,8 +8,7 @@ import math
 
 import torch
 
-from lib.checkpoint import adamw
-from lib.common import native_bf16
+from lib.common import UserError, native_bf16
 
 
 class Muon(torch.optim.Optimizer):
@@ -97,16 +96,53 @@ class MuonAdamW:
         self.adamw.load_state_dict(state["adamw"])
 
 
+def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
+          exclude=()):
+    """AdamW with weight decay on matrices (linears, embeddings) only, not on norms or biases;
+    parameters in `exclude` (ids) are left to another optimizer (lib/optim.py's Muon). Every
+    group carries "base_lr", its peak rate: train.py sets lr to that times the schedule."""
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in exclude]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # fused: one kernel over all parameters on CUDA and on CPU (the default there is a Python
+    # loop over the parameters, which a small model's step feels; docs/OPTIM.md)
+    opt = torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
+                            fused=True if device_type in ("cuda", "cpu") else None)
+    for g in opt.param_groups:
+        g["base_lr"] = learning_rate
+    return opt
+
+
+def check(name, fsdp=False):
+    """The optimizer's own refusals, before anything is built (train.py, build_optimizer)."""
+    if name not in ("adamw", "muon"):
+        raise UserError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
+    if fsdp and name == "muon":
+        raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
+                        "optimizer state is supported for AdamW only; use DDP or optimizer=adamw")
+
+
+def training_dtype(name, dtype, asked):
+    """The dtype to train in: Muon takes float32 where dtype=auto picked float16 (GPUs without
+    bf16), and refuses a float16 that was asked for."""
+    if name == "muon" and dtype == "float16":
+        if asked != "auto":
+            raise UserError("optimizer=muon does not work with dtype=float16 (the GradScaler "
+                            "steps one torch optimizer, not Muon paired with AdamW): use "
+                            "bfloat16 or float32")
+        return "float32"
+    return dtype
+
+
 def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
-                    name="adamw", muon_lr=0.02, muon_momentum=0.95):
+                    name="adamw", muon_lr=0.02, muon_momentum=0.95, fsdp=False):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norms/biases.
     name="muon": the weights of the Linear layers inside the blocks (attention and MLP) go to
     Muon at base rate muon_lr instead; embeddings (token, position and relative-position
     tables), the tied head, norms and biases stay with AdamW, as Muon's authors advise:
     orthogonalising an update suits a hidden layer's map, not a lookup table or a gain. Muon
     orthogonalises in bfloat16 where `device_type` multiplies it natively, else in float32."""
-    if name not in ("adamw", "muon"):
-        raise ValueError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
+    check(name, fsdp)
     if name == "adamw":
         return adamw(model, learning_rate, weight_decay, betas, device_type)
     hidden = [m.weight for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]

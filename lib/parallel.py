@@ -7,7 +7,6 @@ rank writes its shards to a DCP folder that ckpt.pt names).
 """
 import contextlib
 import ctypes
-import functools
 import inspect
 import os
 import shutil
@@ -25,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lib.checkpoint import build_model as build, commit
+from lib.checkpoint import commit
 from lib.common import UserError, excepthook, fsync
 
 
@@ -91,28 +90,17 @@ def stop_with_launcher():
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, compile=False,
-                activation_checkpointing=False):
-    """Returns (raw_model, model, eval_model): the RoFormer itself (state dicts, optimizer),
-    the module to train (compiled, DDP- or FSDP-wrapped) and the one to evaluate. The model is
-    built on the meta device and sharded before it gets memory (lib/checkpoint.build_model)."""
-    shard = functools.partial(fully_shard_model, device=device, param_dtype=param_dtype,
-                              compile=compile) if fsdp else None
-    raw = build(mconf, seed, device, shard, activation_checkpointing)
-    if fsdp:  # every rank runs the evaluation too: a sharded forward is a collective
-        return raw, raw, raw
-    model = eval_model = torch.compile(raw) if compile else raw  # rank 0 evaluates alone
-    if ddp:
-        # No buffer sync before every forward: the only buffers are the position tables, built
-        # identically on every rank. Newer torch names it forward_sync_buffers (and warns on
-        # every rank about broadcast_buffers); older ones only know broadcast_buffers.
-        ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
-        no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args
-                   else "broadcast_buffers": False}
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[torch.device(device).index] if str(device).startswith("cuda")
-            else None, **no_sync)
-    return raw, model, eval_model
+def ddp_wrap(model, device):
+    """DDP around `model` (lib/build.build_model's, compiled or not)."""
+    # No buffer sync before every forward: the only buffers are the position tables, built
+    # identically on every rank. Newer torch names it forward_sync_buffers (and warns on
+    # every rank about broadcast_buffers); older ones only know broadcast_buffers.
+    ddp_args = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    no_sync = {"forward_sync_buffers" if "forward_sync_buffers" in ddp_args
+               else "broadcast_buffers": False}
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[torch.device(device).index] if str(device).startswith("cuda")
+        else None, **no_sync)
 
 
 def fully_shard_model(raw, device, param_dtype=None, compile=False):

@@ -6,7 +6,6 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -15,9 +14,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from data.dataset import load_meta, open_split
 from lib import run_tokenizer
-from lib.common import (REPO, UserError, atomic_write, created_files, file_sha256,
+from lib.common import (UserError, atomic_write, created_files, file_sha256,
                         make_out_dir)
 
 
@@ -29,35 +27,6 @@ def barrier(ddp):
 # ----------------------------------------------------------------------------------------
 # the dataset
 
-def open_dataset(dataset, data_dir, master, ddp, named=True):
-    """(folder, meta.json) of the dataset, with both splits checked against meta.json. The
-    default corpus is built from this Python's standard library (no download, so the first
-    command works on a fresh clone): rank 0 builds it, the others wait at the barrier. `named`:
-    --dataset was given (else a --data_dir folder's corpus is unknown, not the default's)."""
-    ddir = data_dir or os.path.join(REPO, "data", dataset)
-    needed = ["train.bin", "val.bin", "meta.json"]
-    missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
-    if missing and dataset == "pystdlib" and not data_dir:
-        script = f"data/{dataset}/prepare.py"
-        if master:
-            print(f"data/{dataset} not found: building it with {script} ...", flush=True)
-            rc = subprocess.run([sys.executable, os.path.join(REPO, script)]).returncode
-            if rc:
-                raise UserError(f"python {script} failed (exit {rc})")
-        barrier(ddp)
-        missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
-    if missing:
-        from data.common import prepare_command  # only now: it imports the corpus tools
-        name = dataset if named or not data_dir else ""  # "": the user's text (data/text)
-        what = f"dataset '{name}'" if name else "the dataset"
-        raise UserError(f"{what} not found ({ddir} lacks {', '.join(missing)}); build it with: "
-                        f"{prepare_command(name, data_dir)}")
-    meta = load_meta(ddir)
-    for split in ("train", "val"):
-        open_split(ddir, split, meta)
-    return ddir, meta
-
-
 def tokenizer_identity(dataset, data_dir, ddir, meta):
     """What the checkpoint records about the tokenizer: sample.py finds the file by it and
     checks it by its sha256 (None for a dataset without tokenizer.model)."""
@@ -68,15 +37,6 @@ def tokenizer_identity(dataset, data_dir, ddir, meta):
             "sha256": file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
             "bos_id": meta.get("bos_id")}
-
-
-def check_split_sizes(ddir, meta, block_size):
-    """Both splits hold at least one window of block_size + 1 tokens."""
-    for split in ("train", "val"):
-        tokens = len(open_split(ddir, split, meta))
-        if tokens < block_size + 1:
-            raise UserError(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
-                            f"{block_size + 1}; lower block_size or use more data")
 
 
 # ----------------------------------------------------------------------------------------

@@ -160,16 +160,16 @@ def test_activation_checkpointing_changes_nothing_but_memory(runs, data, tmp_pat
 @pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal", "learned", "none"])
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_meta_build_equals_a_normal_build(pos_encoding, attention):
-    """parallel.build_model (meta device, to_empty, init) against RoFormer(cfg) built the usual
+    """build.build_model (meta device, to_empty, init) against RoFormer(cfg) built the usual
     way: the same buffers (position tables) exactly, the head still tied to the embedding, and
     every parameter drawn by model.py's rule: constants equal, random ones with the same
     spread (model.py draws them in another order, so values differ)."""
-    from lib import parallel
+    from lib import build
     cfg = RoFormerConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=64,
                          pos_encoding=pos_encoding, attention=attention, bias=True)
     torch.manual_seed(0)
     ref = RoFormer(cfg)
-    got, _, _ = parallel.build_model(cfg, 1337, "cpu")
+    got, _, _ = build.build_model(cfg, 1337, "cpu")
     rb, gb = dict(ref.named_buffers()), dict(got.named_buffers())
     assert rb.keys() == gb.keys()
     for k in rb:
@@ -185,7 +185,7 @@ def test_meta_build_equals_a_normal_build(pos_encoding, attention):
             assert abs(g.std() / r.std() - 1) < 0.1, k
             assert abs(g.mean()) < 4 * r.std() / r.numel() ** 0.5, k
     # the weights depend on the seed only
-    again, _, _ = parallel.build_model(cfg, 1337, "cpu")
+    again, _, _ = build.build_model(cfg, 1337, "cpu")
     assert max_diff(got.state_dict(), again.state_dict()) == 0
 
 
@@ -196,13 +196,13 @@ def worker(out):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from lib import parallel
+    from lib import build
     dist.init_process_group("gloo")
     rank, res = dist.get_rank(), {}
     for pe in ("rope", "sinusoidal", "learned"):
         cfg = RoFormerConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32,
                              pos_encoding=pe)
-        raw, model, _ = parallel.build_model(cfg, 1337, "cpu", fsdp=True)
+        raw, model, _ = build.build_model(cfg, 1337, "cpu", fsdp=True)
         full = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
         opt = build_optimizer(raw, 1e-3, 0.1)
@@ -224,7 +224,7 @@ def test_each_rank_holds_half_and_the_weights_of_one_process(tmp_path):
     """Two ranks: each holds about half of the parameters and of the AdamW moments (their sum
     is the whole model, exactly), and the sharded initialisation gathers to the weights that
     one process draws; the meta-device buffers equal a normally built model's."""
-    from lib import parallel
+    from lib import build
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node=2", os.path.abspath(__file__), str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env())
@@ -238,7 +238,7 @@ def test_each_rank_holds_half_and_the_weights_of_one_process(tmp_path):
             assert abs(rk[pe]["params"] / total - 0.5) < 0.05 and rk[pe]["tied"]
         cfg = RoFormerConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32,
                              pos_encoding=pe)
-        one, _, _ = parallel.build_model(cfg, 1337, "cpu")
+        one, _, _ = build.build_model(cfg, 1337, "cpu")
         assert max_diff(one.state_dict(), rec["weights"]) == 0
         normal = dict(RoFormer(cfg).named_buffers())
         assert rec["buffers"].keys() == normal.keys()

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from lib.optim import Muon, build_optimizer, orthogonalise  # noqa: E402
+from lib.common import UserError  # noqa: E402
 
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 
@@ -163,8 +164,21 @@ def test_muon_refuses_an_adamw_state_and_unknown_names():
     with pytest.raises(ValueError, match="optimizer=adamw"):
         build_optimizer(m, 1e-3, name="muon").load_state_dict(
             build_optimizer(m, 1e-3).state_dict())
-    with pytest.raises(ValueError, match="'adamw' or 'muon'"):
+    with pytest.raises(UserError, match="'adamw' or 'muon'"):
         build_optimizer(m, 1e-3, name="sgd")
+
+
+def test_the_factory_owns_the_optimizers_rules():
+    """lib/optim.py alone decides: Muon refuses FSDP and an asked-for float16, and takes
+    float32 where dtype=auto picked float16; AdamW keeps every dtype."""
+    from lib import optim
+    with pytest.raises(UserError, match="optimizer=muon does not work with fsdp=True"):
+        optim.build_optimizer(tiny(), 1e-3, name="muon", fsdp=True)
+    assert isinstance(optim.build_optimizer(tiny(), 1e-3, fsdp=True), torch.optim.AdamW)
+    with pytest.raises(UserError, match="dtype=float16"):
+        optim.training_dtype("muon", "float16", "float16")
+    assert optim.training_dtype("muon", "float16", "auto") == "float32"
+    assert optim.training_dtype("adamw", "float16", "auto") == "float16"
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch < 2.9 has no torch.optim.Muon")

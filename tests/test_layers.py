@@ -1,0 +1,55 @@
+"""The import layering (docs/DESIGN.md): model.py at the bottom, lib/ above it, data/ above
+lib/, the scripts on top. Read from the source with ast (every import, lazy ones too), so a
+circle or an arrow that runs back down shows here before it shows as an ImportError."""
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def module_name(path):
+    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+
+
+def project_modules():
+    files = [REPO / "model.py", *sorted((REPO / "lib").glob("*.py")),
+             *sorted((REPO / "data").glob("*.py"))]
+    return {module_name(f): f for f in files if f.name != "__init__.py"}
+
+
+def imports(path, known):
+    """The project modules `path` imports, anywhere in it (a function's lazy import too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {f"{node.module}.{a.name}" for a in node.names
+                      if f"{node.module}.{a.name}" in known}
+            found |= {node.module} & set(known)
+    return found
+
+
+def graph():
+    known = project_modules()
+    return {name: imports(path, known) for name, path in known.items()}
+
+
+def test_no_import_circles():
+    g = graph()
+
+    def reaches(start, goal, seen):
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in g[start])
+    circles = sorted(m for m in g if reaches(m, m, set()))
+    assert not circles, f"modules on an import circle: {circles}"
+
+
+def test_imports_run_one_way_between_layers():
+    """lib/ never imports data/ (data/ imports lib/common); lib/baselines.py, which model.py
+    reaches lazily, imports nothing of the project's."""
+    g = graph()
+    back = {m: sorted(d for d in deps if d.startswith("data.")) for m, deps in g.items()
+            if m.startswith("lib.")}
+    assert not {m: d for m, d in back.items() if d}
+    assert g["lib.baselines"] <= {"lib.common"}
