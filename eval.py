@@ -309,9 +309,8 @@ def main(argv):
             "out_dir": cfg["out_dir"], "input": source, "tokens": count, "bytes": nbytes,
             "nats_per_token": nats / count, "perplexity": math.exp(nats / count),
             "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-            "block_size": length, "window_used": used, "stride": stride,
-            "window_mode": cfg["window_mode"],
-            "iter_num": ckpt.get("iter_num"), "dtype": cfg["dtype"]})
+            "block_size": length, "window_used": used, "stride": stride, "dtype": cfg["dtype"],
+            "window_mode": cfg["window_mode"], "iter_num": ckpt.get("iter_num")})
         if cfg["json"]:
             print(jsonlib.dumps(results[-1]))
         else:
