@@ -18,7 +18,7 @@ import time
 import torch
 
 from lib import decode
-from lib.common import UserError, cli, configure, pick_device
+from lib.common import UserError, check_seed, cli, configure, pick_device
 from lib.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------
@@ -103,8 +103,7 @@ def parse_args(argv):
         raise UserError(e) from None
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
         raise UserError("num_samples and max_new_tokens must be >= 1")
-    if not 0 <= cfg["seed"] < 2 ** 64:  # what torch.Generator.manual_seed takes
-        raise UserError(f"seed must be in [0, 2**64 - 1], got {cfg['seed']}")
+    check_seed(cfg["seed"])
     if str(cfg["compile"]).lower() not in ("auto", "true", "false"):
         raise UserError(f"compile must be True, False or auto, got {cfg['compile']!r}")
     if str(cfg["compile"]).lower() == "true" and not cfg["use_cache"]:

@@ -108,8 +108,7 @@ for keys, ok, rule in [  # 0 is meaningful for the second group: 0 iterations ev
 if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
     raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
                     f"rate would rise while it decays; lower --min_lr as well")
-if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
-    raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
+common.check_seed(seed)
 if not init_from:
     raise UserError("init_from must be 'scratch', 'resume' or a run folder or checkpoint file")
 if warmup_iters > lr_decay_iters:

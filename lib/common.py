@@ -138,6 +138,13 @@ def atomic_write(path, write, check=None, tmp=None):
         remove(tmp)
 
 
+def check_seed(seed):
+    """The one seed rule (train, sample, prepare): numpy takes no negative seed, and
+    torch.Generator.manual_seed and data/'s seed keys (shared.mix64) are 64-bit unsigned."""
+    if not 0 <= seed < 2 ** 64:
+        raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
+
+
 def make_out_dir(path, what="out_dir"):
     """Create `path` if needed and prove now, before any long work, that files can be written
     there. Returns True when this call created it (a failure removes it again while empty)."""
