@@ -120,6 +120,25 @@ def test_under_torchrun_each_distinct_error_line_is_said_once(monkeypatch, capsy
                                                     "error: only rank 1 cannot read x"]
 
 
+def test_error_line_only_formats_and_a_failed_command_cleans_up(tmp_path, monkeypatch):
+    """error_line used to delete the folders the command made: formatting a line must touch no
+    file. The reference is the filesystem: the folder made (holding only its created file)
+    survives error_line, and goes once a command fails through cli, as it did before."""
+    from lib import common
+    made = tmp_path / "out"
+    made.mkdir()
+    (made / ".train.lock").write_text("1\n")
+    monkeypatch.setattr(common, "created_dirs", [str(made)])
+    monkeypatch.setattr(common, "created_files", [str(made / ".train.lock")])
+    assert common.error_line("bad flag") == "error: bad flag" and made.is_dir()
+
+    def main(argv):
+        raise ConfigError("bad flag")
+    with pytest.raises(SystemExit, match="^error: bad flag$"):
+        common.cli(main)([])
+    assert not made.exists()
+
+
 def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     """torch 2.13's is_bf16_supported() is True on a T4 or V100, where bf16 is only emulated
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
