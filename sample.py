@@ -78,8 +78,8 @@ class TextStream:
 
 # Decode steps after which compiling the per-token step has paid for its compile time, by
 # device type: below it, --compile=auto stays eager because compiling costs more than it saves.
-# Measured with bench/decode.py (the figures and the command are in docs/). CUDA has no entry
-# (nothing measured there yet), so auto leaves it eager.
+# The figure, its measurement and command are docs/SPEED.md's "Decoding" section (against a
+# cold compile); a device type it has not measured has no entry, and auto leaves it eager.
 COMPILE_PAYS_AFTER = {"cpu": 100_000}
 
 
