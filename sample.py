@@ -18,7 +18,7 @@ import time
 import torch
 
 from lib import decode
-from lib.common import UserError, cli, configure, pick_device
+from lib.common import UserError, check_seed, cli, configure, pick_device
 from lib.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------
@@ -78,8 +78,8 @@ class TextStream:
 
 # Decode steps after which compiling the per-token step has paid for its compile time, by
 # device type: below it, --compile=auto stays eager because compiling costs more than it saves.
-# Measured with bench/decode.py (the figures and the command are in docs/). CUDA has no entry
-# (nothing measured there yet), so auto leaves it eager.
+# The figure, its measurement and command are docs/SPEED.md's "Decoding" section (against a
+# cold compile); a device type it has not measured has no entry, and auto leaves it eager.
 COMPILE_PAYS_AFTER = {"cpu": 100_000}
 
 
@@ -103,8 +103,7 @@ def parse_args(argv):
         raise UserError(e) from None
     if cfg["num_samples"] < 1 or cfg["max_new_tokens"] < 1:
         raise UserError("num_samples and max_new_tokens must be >= 1")
-    if not 0 <= cfg["seed"] < 2 ** 64:  # what torch.Generator.manual_seed takes
-        raise UserError(f"seed must be in [0, 2**64 - 1], got {cfg['seed']}")
+    check_seed(cfg["seed"])
     if str(cfg["compile"]).lower() not in ("auto", "true", "false"):
         raise UserError(f"compile must be True, False or auto, got {cfg['compile']!r}")
     if str(cfg["compile"]).lower() == "true" and not cfg["use_cache"]:

@@ -15,10 +15,11 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, progress, signals,
-MFU), lib/build.py (the model), lib/optim.py (AdamW, Muon, their rules), lib/checkpoint.py,
-lib/common.py (config parser, device/dtype, one-line errors); when used, lib/resume.py (starting
-from a checkpoint), lib/parallel.py (torchrun: DDP / FSDP2), lib/wandb_run.py.
+Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, preconditions),
+lib/progress.py (progress line, signals), lib/mfu.py (MFU's peaks), lib/build.py (the model),
+lib/optim.py (AdamW, Muon, their rules), lib/checkpoint.py, lib/common.py (config parser,
+device/dtype, one-line errors); when used, lib/resume.py (starting from a checkpoint),
+lib/parallel.py (torchrun: DDP / FSDP2), lib/wandb_run.py.
 """
 import contextlib
 import dataclasses
@@ -32,9 +33,10 @@ import numpy as np
 import torch
 
 from data.dataset import check_split_sizes, open_dataset, open_split
-from lib import checkpoint, common, optim, run, run_tokenizer
+from lib import checkpoint, common, mfu, optim, run, run_tokenizer
 from lib.build import build_model
 from lib.common import UserError, configure
+from lib.progress import Progress, stop_on_signals
 from model import RoFormerConfig
 
 sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`, exit 1
@@ -106,8 +108,7 @@ for keys, ok, rule in [  # 0 is meaningful for the second group: 0 iterations ev
 if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
     raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
                     f"rate would rise while it decays; lower --min_lr as well")
-if not 0 <= seed < 2 ** 64:  # numpy's seeds are non-negative, torch's fit in 64 bits
-    raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
+common.check_seed(seed)
 if not init_from:
     raise UserError("init_from must be 'scratch', 'resume' or a run folder or checkpoint file")
 if warmup_iters > lr_decay_iters:
@@ -316,11 +317,11 @@ if wandb_log and master:
     import wandb
     wandb_id = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
                           **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
-peak = run.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
-progress = run.Progress(start_iter, max_iters, tokens_per_iter,
-                        run.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
-                        world, master, forget_peak=(lambda: run.forget_cpu_peak(ptdtype))
-                        if device_type == "cpu" else None)
+peak = mfu.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
+progress = Progress(start_iter, max_iters, tokens_per_iter,
+                    mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
+                    world, master, forget_peak=(lambda: mfu.forget_cpu_peak(ptdtype))
+                    if device_type == "cpu" else None)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
     run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
@@ -329,7 +330,7 @@ if master:
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)
     print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
                      "(peak FLOP/s of this device unknown)"), flush=True)
-stop = run.stop_on_signals()
+stop = stop_on_signals()
 stopping = False
 
 # ----------------------------------------------------------------------------------------

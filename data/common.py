@@ -27,7 +27,7 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
 from lib import run_tokenizer
-from lib.common import REPO, UserError, cli, error_line
+from lib.common import REPO, UserError, check_seed, cli, error_line
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
@@ -65,8 +65,7 @@ def check_options(model_type, vocab_size, val_fraction, val_tokens, min_val_toke
                   sample_bytes, seed):
     if model_type not in ("bpe", "unigram", "char"):
         raise UserError(f"model_type must be bpe, unigram or char, not {model_type!r}")
-    if not 0 <= seed < 1 << 64:  # the seed keys are 64-bit unsigned (shared.mix64)
-        raise UserError(f"seed must be between 0 and 2**64 - 1, not {seed}")
+    check_seed(seed)
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"val_fraction must be between 0 and 1 (exclusive), not {val_fraction}")
     if vocab_size == 0 and model_type != "char":  # sentencepiece's own error is INTERNAL

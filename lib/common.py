@@ -25,18 +25,23 @@ created_files = []  # files that mean nothing once it fails (train.py's out_dir 
 
 
 def error_line(msg):
-    """The one place a user error ends: the line `error: msg`, and no empty folder this
-    command made left behind (empty but for its created_files)."""
+    """The one form a user error takes: the line `error: msg`."""
+    return f"error: {msg}"
+
+
+def cleanup():
+    """What a failed command undoes before it says why: no empty folder it made is left behind
+    (empty but for its created_files)."""
     for d in created_dirs:
         if os.path.isdir(d) and all(os.path.join(d, f) in created_files for f in os.listdir(d)):
             shutil.rmtree(d, ignore_errors=True)
-    return f"error: {msg}"
 
 
 def excepthook(kind, value, tb):
     """sys.excepthook of a script without a main (train.py): a UserError is its line, exit 1
     (under torchrun once, by the first rank that hits it: said_by_another_rank)."""
     if issubclass(kind, UserError):
+        cleanup()
         line = error_line(value)
         if not said_by_another_rank(line):
             print(line, file=sys.stderr, flush=True)
@@ -73,6 +78,7 @@ def cli(main, interrupted=130):
         try:
             return main(sys.argv[1:] if argv is None else argv)
         except UserError as e:
+            cleanup()
             sys.exit(error_line(e))
         except KeyboardInterrupt:
             sys.exit(interrupted)
@@ -136,6 +142,13 @@ def atomic_write(path, write, check=None, tmp=None):
         raise
     finally:
         remove(tmp)
+
+
+def check_seed(seed):
+    """The one seed rule (train, sample, prepare): numpy takes no negative seed, and
+    torch.Generator.manual_seed and data/'s seed keys (shared.mix64) are 64-bit unsigned."""
+    if not 0 <= seed < 2 ** 64:
+        raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
 
 
 def make_out_dir(path, what="out_dir"):

@@ -120,6 +120,25 @@ def test_under_torchrun_each_distinct_error_line_is_said_once(monkeypatch, capsy
                                                     "error: only rank 1 cannot read x"]
 
 
+def test_error_line_only_formats_and_a_failed_command_cleans_up(tmp_path, monkeypatch):
+    """error_line used to delete the folders the command made: formatting a line must touch no
+    file. The reference is the filesystem: the folder made (holding only its created file)
+    survives error_line, and goes once a command fails through cli, as it did before."""
+    from lib import common
+    made = tmp_path / "out"
+    made.mkdir()
+    (made / ".train.lock").write_text("1\n")
+    monkeypatch.setattr(common, "created_dirs", [str(made)])
+    monkeypatch.setattr(common, "created_files", [str(made / ".train.lock")])
+    assert common.error_line("bad flag") == "error: bad flag" and made.is_dir()
+
+    def main(argv):
+        raise ConfigError("bad flag")
+    with pytest.raises(SystemExit, match="^error: bad flag$"):
+        common.cli(main)([])
+    assert not made.exists()
+
+
 def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     """torch 2.13's is_bf16_supported() is True on a T4 or V100, where bf16 is only emulated
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
@@ -143,7 +162,7 @@ def test_gpu_peak_matches_the_exact_model(name, tflops):
     """Substring matching gave an A10G the A10's peak and an L40 or L40S the L4's; an H100
     PCIe (756 TFLOP/s dense bf16) is not an SXM part (989). Unknown cards get None (mfu n/a).
     The expected values are the vendors' datasheet figures, written out here."""
-    from lib.run import gpu_peak_flops
+    from lib.mfu import gpu_peak_flops
     got = gpu_peak_flops(name)
     assert (got is None and tflops is None) or got == tflops * 1e12
 
@@ -171,7 +190,7 @@ def test_gpu_peak_depends_on_the_dtype_that_runs():
     """MFU of an fp32 run (TF32 tensor cores, allowed by train.py) is measured against the
     card's TF32 rate, not its bf16 rate; fp16/bf16 against the 16-bit rate; a dtype a card only
     emulates (bf16 on a T4 or V100) has no peak. Datasheet figures (dense), written out here."""
-    from lib.run import GPU_PEAK_FLOPS, gpu_peak_flops
+    from lib.mfu import GPU_PEAK_FLOPS, gpu_peak_flops
     datasheet = {"NVIDIA H100 80GB HBM3": (989, 494.5), "NVIDIA A100-SXM4-80GB": (312, 156),
                  "NVIDIA L4": (121, 60), "NVIDIA H100 PCIe": (756, 378)}
     for name, (half, tf32) in datasheet.items():

@@ -377,8 +377,8 @@ def test_error_vocab_too_large(tmp_path):
 
 
 @pytest.mark.parametrize("option, value, phrase", [
-    ("--seed", "-1", "seed must be between 0 and 2**64 - 1"),      # numpy: OverflowError
-    ("--seed", str(1 << 64), "seed must be between 0 and 2**64 - 1"),
+    ("--seed", "-1", "seed must be from 0 to 2**64 - 1"),      # numpy: OverflowError
+    ("--seed", str(1 << 64), "seed must be from 0 to 2**64 - 1"),
     ("--num_proc", "0", "num_proc must be at least 1"),             # silently meant every core
     ("--vocab_size", "0", "vocab_size must be at least 261"),       # sentencepiece INTERNAL
     ("--vocab_size", "-5", "at least 261"),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.optim import build_optimizer  # noqa: E402
-from lib.run import flops_per_token  # noqa: E402
+from lib.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table  # noqa
 from lib.decode import generate, sample_next  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""lib/run.py: the CPU peak that CPU MFU is measured against is timed once per machine setup
+"""lib/mfu.py: the CPU peak that CPU MFU is measured against is timed once per machine setup
 (cached) and, under DDP, by one rank and shared, since ranks timing at once on shared cores
 each see a fraction of the machine. The references: a counter on the timing function, and the
 value rank 0 measured.
@@ -15,7 +15,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from lib import mfu  # noqa: E402
 from lib import run as runs  # noqa: E402
+from lib.progress import Progress  # noqa: E402
 
 
 def test_cpu_peak_is_timed_once_per_machine_setup(tmp_path, monkeypatch):
@@ -25,18 +27,18 @@ def test_cpu_peak_is_timed_once_per_machine_setup(tmp_path, monkeypatch):
     def fake_matmul(dtype, seconds=0.2):
         timed.append(dtype)
         return 1e9 * len(timed)
-    monkeypatch.setattr(runs, "time_matmul", fake_matmul)
-    first = runs.cpu_peak_flops(torch.float32, ddp=False)
-    assert runs.cpu_peak_flops(torch.float32, ddp=False) == first == 1e9
+    monkeypatch.setattr(mfu, "time_matmul", fake_matmul)
+    first = mfu.cpu_peak_flops(torch.float32, ddp=False)
+    assert mfu.cpu_peak_flops(torch.float32, ddp=False) == first == 1e9
     assert timed == [torch.float32]  # the second call read the cache
-    assert runs.cpu_peak_flops(torch.bfloat16, ddp=False) == 2e9  # another dtype: timed
+    assert mfu.cpu_peak_flops(torch.bfloat16, ddp=False) == 2e9  # another dtype: timed
     with open(tmp_path / "roformer" / "cpu_peak.json") as f:
         table = json.load(f)
     key = next(k for k in table if "float32" in k)
-    assert runs.cpu_model() in key and torch.__version__ in key
+    assert mfu.cpu_model() in key and torch.__version__ in key
     assert f"{torch.get_num_threads()} threads" in key
     (tmp_path / "roformer" / "cpu_peak.json").write_text("{not json")  # damaged: timed again
-    assert runs.cpu_peak_flops(torch.float32, ddp=False) == 3e9
+    assert mfu.cpu_peak_flops(torch.float32, ddp=False) == 3e9
 
 
 def test_an_mfu_above_100_percent_is_na_and_the_peak_it_disproves_is_timed_again(
@@ -47,12 +49,12 @@ def test_an_mfu_above_100_percent_is_na_and_the_peak_it_disproves_is_timed_again
     anew (a counter on the timing function). A plausible MFU is still printed as computed."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     timed = []
-    monkeypatch.setattr(runs, "time_matmul", lambda dtype: timed.append(dtype) or 1e9)
-    peak = runs.cpu_peak_flops(torch.float32, ddp=False)
+    monkeypatch.setattr(mfu, "time_matmul", lambda dtype: timed.append(dtype) or 1e9)
+    peak = mfu.cpu_peak_flops(torch.float32, ddp=False)
     flops_per_token, tokens_per_iter = 1e6, 100
     for doing, shown in ((0.5, "mfu 50.0%"), (2.0, "mfu n/a")):  # FLOP/s done / peak
-        p = runs.Progress(0, 10, tokens_per_iter, flops_per_token, peak, 1, True,
-                          forget_peak=lambda: runs.forget_cpu_peak(torch.float32))
+        p = Progress(0, 10, tokens_per_iter, flops_per_token, peak, 1, True,
+                     forget_peak=lambda: mfu.forget_cpu_peak(torch.float32))
         p.interactive = False  # plain lines, whatever pytest's stderr is
         dt = tokens_per_iter * flops_per_token / (doing * peak)
         capsys.readouterr()
@@ -61,7 +63,7 @@ def test_an_mfu_above_100_percent_is_na_and_the_peak_it_disproves_is_timed_again
         out = capsys.readouterr().out
         assert shown in out.splitlines()[-1], out
     assert "%" not in out.replace("100%", "")  # no figure above 100 printed at any step
-    assert runs.cpu_peak_flops(torch.float32, ddp=False) == 1e9 and len(timed) == 2
+    assert mfu.cpu_peak_flops(torch.float32, ddp=False) == 1e9 and len(timed) == 2
 
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatch):
@@ -93,7 +95,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
 
 def test_the_real_probe_measures_a_plausible_rate(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    peak = runs.cpu_peak_flops(torch.float32, ddp=False)
+    peak = mfu.cpu_peak_flops(torch.float32, ddp=False)
     assert 1e8 < peak < 1e14  # FLOP/s of one process on any CPU this runs on
 
 
@@ -107,8 +109,8 @@ def worker(out):
     def fake_matmul(dtype, seconds=0.2):
         timed.append(1)
         return 1e9 * (rank + 1)
-    runs.time_matmul = fake_matmul
-    peak = runs.cpu_peak_flops(torch.float32, ddp=True)
+    mfu.time_matmul = fake_matmul
+    peak = mfu.cpu_peak_flops(torch.float32, ddp=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"peak": peak, "timed": len(timed)}, f)
     dist.destroy_process_group()

@@ -381,7 +381,7 @@ def test_argument_errors(ws, capsys, tmp_path):
     assert "rope_scaling" in err(capsys, o, "--rope_scaling=dynamic")
     assert "compile must be" in err(capsys, o, "--compile=yes")
     for seed in (-1, 2 ** 64):  # torch.Generator.manual_seed takes [0, 2**64 - 1]
-        assert "seed must be in [0, 2**64 - 1]" in err(capsys, o, f"--seed={seed}")
+        assert "seed must be from 0 to 2**64 - 1" in err(capsys, o, f"--seed={seed}")
     assert "use_cache" in err(capsys, o, "--compile=True", "--use_cache=False")
 
 

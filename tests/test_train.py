@@ -64,7 +64,7 @@ def data(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("data")))
 
 
-# The runs' caches (the CPU peak, lib/run.py) in a folder of this test session, not the user's
+# The runs' caches (the CPU peak, lib/mfu.py) in a folder of this test session, not the user's
 CACHE = tempfile.mkdtemp(prefix="roformer-test-cache-")
 atexit.register(shutil.rmtree, CACHE, True)
 
@@ -372,7 +372,7 @@ def test_ddp_two_ranks_match_one_process(data, one_process, tmp_path):
     tok_s = float(re.search(r"tok/s ([\d,]+)", last).group(1).replace(",", ""))
     mfu = float(last.split("mfu ")[1].split("%")[0])
     sys.path.insert(0, ROOT)
-    from lib.run import flops_per_token
+    from lib.mfu import flops_per_token
     from model import RoFormer, RoFormerConfig
     m = RoFormer(RoFormerConfig(vocab_size=V, block_size=32, n_layer=2, n_head=2, n_embd=32))
     fpt = flops_per_token(m.config, m.num_params(), 32)
