@@ -16,10 +16,9 @@ exactly the batches an unbroken run would have seen, N ranks see the batches of 
 and evaluation (its own fixed generator) never disturbs training.
 
 Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, preconditions),
-lib/progress.py (progress line, signals), lib/mfu.py (MFU's peaks), lib/build.py (the model),
-lib/optim.py (AdamW, Muon, their rules), lib/checkpoint.py, lib/common.py (config parser,
-device/dtype, one-line errors); when used, lib/resume.py (starting from a checkpoint),
-lib/parallel.py (torchrun: DDP / FSDP2), lib/wandb_run.py.
+lib/progress.py, lib/mfu.py, lib/build.py (the model), lib/optim.py (AdamW, Muon, their rules),
+lib/checkpoint.py, lib/common.py (config, device/dtype, one-line errors); when used,
+lib/resume.py (from a checkpoint), lib/parallel.py (torchrun), lib/wandb_run.py.
 """
 import contextlib
 import dataclasses
