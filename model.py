@@ -5,7 +5,7 @@ ablation baselines in lib/baselines.py, imported only when pos_encoding is not "
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -184,31 +184,34 @@ class KVCache:
 
     def __init__(self, n_layer, size, window, device):
         self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
-        self.slot_pos = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.slot_pos = torch.full((n_layer, size), -1, dtype=torch.long, device=device)
         self.window = window
 
-    def place(self, pos, start):
-        """Once per forward: the new keys' slots and whether update writes them before they are
-        attended to, -> query x key distances, visibility. `start`: int, or pos (static step)."""
-        size, new = self.slot_pos.numel(), pos.numel()
-        # Write first only when nothing a query needs is evicted (one token, or free slots).
-        self.write_first = new == 1 or start + new <= size
-        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
-        self.slots = kept % size
-        key_pos = self.slot_pos if self.write_first else torch.cat((self.slot_pos, pos))
-        self.slot_pos[self.slots] = kept  # in place; key_pos aliases it when writing first
-        distance = pos[:, None] - key_pos[None, :]
-        return distance, (key_pos >= 0) & (distance >= 0) & (distance < self.window)
+    def visible(self, distance, key_pos):  # (queries, keys) bool: causal, inside the window
+        return (key_pos >= 0) & (distance >= 0) & (distance < self.window)
 
-    def update(self, layer, k, v):  # -> the keys and values the layer's queries see
-        if self.keys[layer] is None:  # allocated by the first forward: its batch and dtype
-            shape = (k.size(0), k.size(1), self.slot_pos.numel(), k.size(3))
+    def update(self, layer, k, v, pos):
+        """Store one layer's new keys and values (positions pos) -> the keys, values, their
+        positions and the (queries, keys) visibility that the layer's queries attend with."""
+        empty = self.keys[layer] is None
+        if empty:  # allocated by the first forward: its batch and dtype
+            shape = (k.size(0), k.size(1), self.slot_pos.size(1), k.size(3))
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-        keys, values, kept = self.keys[layer], self.values[layer], self.slots.numel()
-        seen = (keys, values) if self.write_first else (torch.cat((keys, k), 2),
-                                                        torch.cat((values, v), 2))
-        keys[:, :, self.slots], values[:, :, self.slots] = k[:, :, -kept:], v[:, :, -kept:]
-        return seen
+        keys, values, slot_pos = self.keys[layer], self.values[layer], self.slot_pos[layer]
+        size, new = slot_pos.numel(), pos.numel()
+        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
+        slots = kept % size
+        # Write first only when nothing a query needs is evicted: one token, or a chunk that
+        # fits an empty cache (known on the host: no read-back); else the queries attend to
+        # the old slots and the whole chunk side by side.
+        if new == 1 or (empty and new <= size):
+            key_pos, seen = slot_pos, (keys, values)  # aliases: read after the writes below
+        else:
+            key_pos, seen = torch.cat((slot_pos, pos)), (torch.cat((keys, k), 2),
+                                                         torch.cat((values, v), 2))
+        slot_pos[slots] = kept
+        keys[:, :, slots], values[:, :, slots] = k[:, :, -size:], v[:, :, -size:]
+        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos)
 
 
 class RecurrentState:
@@ -224,9 +227,18 @@ class RecurrentState:
 
 # 5. The transformer
 class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
-    rope: Optional[tuple]                    # (cos, sin) at the tokens' positions, RoPE only
-    mask: Optional[torch.Tensor] = None      # None: causal; bool, or float bias (-inf: hidden)
-    distance: Optional[torch.Tensor] = None  # query x key distances (for rel_k's term)
+    pos: torch.Tensor                      # the queries' absolute positions, (T,)
+    rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
+    bias: Optional[Callable] = None        # (distance, visible) -> scores' bias; relative only
+
+    def scores(self, key_pos, visible=None):
+        """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias with
+        -inf where hidden) and the (queries, keys) distances. visible: the cache's, else causal."""
+        if visible is None and self.bias is None:
+            return None, None
+        distance = self.pos[:, None] - key_pos[None, :]
+        visible = distance >= 0 if visible is None else visible
+        return (visible if self.bias is None else self.bias(distance, visible)), distance
 
 
 class Attention(nn.Module):
@@ -250,13 +262,14 @@ class Attention(nn.Module):
     def softmax(self, qkv, where, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
         q, k = apply_rope(qk, *where.rope) if where.rope is not None else qk  # v: not rotated
-        v, mask = v.squeeze(0), where.mask
+        v, key_pos, visible = v.squeeze(0), where.pos, None  # no cache: the chunk's own keys
+        if cache is not None:
+            k, v, key_pos, visible = cache.update(self.layer, k, v, where.pos)
+        mask, distance = where.scores(key_pos, visible)
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
-            mask = mask + self.rel_k(q, where.distance)
+            mask = mask + self.rel_k(q, distance)
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # SDPA wants q's dtype; the bias was built in float32
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
         return F.scaled_dot_product_attention(  # no mask and no cache: plain causal
             q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
             dropout_p=self.cfg.dropout if self.training else 0.0)
@@ -390,11 +403,7 @@ class RoFormer(nn.Module):
         x, added = self.wte(idx), self.position_embedding(pos, index)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
-        where = Positions(rope)
-        if isinstance(cache, KVCache) or c.pos_encoding in RELATIVE:
-            distance, visible = (cache.place(pos, start_pos) if isinstance(cache, KVCache) else
-                                 (pos[:, None] - pos[None, :], pos[:, None] >= pos[None, :]))
-            where = Positions(rope, self.position_bias(distance, visible), distance)
+        where = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
         for block in self.blocks:
             x = block(x, where, cache)
         logits = self.lm_head(self.ln_f(x))
