@@ -348,6 +348,9 @@ class RoFormer(nn.Module):
     def pos_tables(self, n, device):
         """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
         geometrically, only if short (or slid past 0 by slide_tables)."""
+        if self.wpe is not None and n > self.wpe.num_embeddings:  # the one table that cannot grow
+            raise ValueError(f"learned positions end at block_size={self.wpe.num_embeddings}; "
+                             f"cannot run position {n - 1} (use use_cache=False to crop)")
         have = self.fixed_table()
         if have is None or (have.size(0) >= n and self.table_start == 0):
             return  # the other encodings have no fixed table
@@ -387,22 +390,18 @@ class RoFormer(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
-        With a cache, idx holds positions start_pos.. and also attends to the cached ones;
-        start_pos is a (1,) tensor in the static one-token step (one graph for every position);
-        its table rows must be held then (pos_tables, or slide_tables as sample.py calls it)."""
+        idx holds positions start_pos.. (with a cache, after the cached ones). start_pos: an
+        int, or a (1,) tensor as in the static compiled step (one graph for every position),
+        whose table rows must then be held (pos_tables, or slide_tables as lib/decode.py calls)."""
         c, T = self.config, idx.size(1)
-        if isinstance(start_pos, torch.Tensor):  # table entries by gather, not a slice
-            if T != 1:
-                raise ValueError(f"a tensor start_pos decodes one token per sequence, got {T}")
-            table = self.fixed_table()  # slot p % L holds position p (slide_tables)
-            pos, index = start_pos, start_pos if table is None else start_pos % table.size(0)
-        else:
+        if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables grow to it
             self.pos_tables(start_pos + T, idx.device)
-            pos = torch.arange(start_pos, start_pos + T, device=idx.device)
-            index = slice(start_pos, start_pos + T)
-        x, added = self.wte(idx), self.position_embedding(pos, index)
+        pos = torch.arange(T, device=idx.device) + start_pos  # the tokens' absolute positions
+        table = self.fixed_table()
+        rows = pos if table is None else pos % table.size(0)  # slot p % L holds position p
+        x, added = self.wte(idx), self.position_embedding(pos, rows)
         x = self.drop(x if added is None else x + added)
-        rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
+        rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
         where = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
         for block in self.blocks:
             x = block(x, where, cache)
