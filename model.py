@@ -45,43 +45,48 @@ class RoFormerConfig:
         return max(self.block_size, int(self.original_context * self.rope_factor))
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
-                     "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (name != "rope_original"):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
-                              "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-                              "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        rope, hd = self.pos_encoding == "rope", self.n_embd // self.n_head
-        if self.attention == "linear" and self.pos_encoding in RELATIVE:
-            raise ValueError(f"pos_encoding={self.pos_encoding!r} biases the attention scores, "
-                             "which linear attention never forms: use attention='softmax'")
-        if not rope:  # a baseline's own settings, checked where the baselines live
-            baselines().check(self)
-        for wrong, why in [
-            (self.n_embd % self.n_head, f"n_embd {self.n_embd} must be divisible by n_head"),
-            (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
-            (rope and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
-             f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
-            (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
-            (not (1.0 < self.rope_base < math.inf and 1.0 <= self.rope_factor < math.inf),
-             f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
-             f"{self.rope_base} and {self.rope_factor}"),
-            (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor={self.rope_factor}"
-             " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
-            if wrong:
-                raise ValueError(why)
-        # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
-        # base overflows a float (OverflowError) long before: both are factors no one means
-        window = self.original_context * self.rope_factor
-        if window >= 2 ** 53 or (rope and self.rope_scaling == "ntk" and math.log(
-                self.rope_base) + math.log(self.rope_factor) * hd / (hd - 2) > 700):
-            raise ValueError(f"rope_factor={self.rope_factor:g} is too large: a window of "
-                             f"{window:.3g} positions (rope_original x rope_factor) cannot be "
-                             f"computed exactly")
+        check_config(self)  # below, so that the fields read first
+
+
+def check_config(cfg):
+    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model."""
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
+                 "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < (name != "rope_original"):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
+                          "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
+                          "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
+    if cfg.attention == "linear" and cfg.pos_encoding in RELATIVE:
+        raise ValueError(f"pos_encoding={cfg.pos_encoding!r} biases the attention scores, "
+                         "which linear attention never forms: use attention='softmax'")
+    if not rope:  # a baseline's own settings, checked where the baselines live
+        baselines().check(cfg)
+    for wrong, why in [
+        (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
+        (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
+        (rope and cfg.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
+         f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
+        (not 0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}"),
+        (not (1.0 < cfg.rope_base < math.inf and 1.0 <= cfg.rope_factor < math.inf),
+         f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
+         f"{cfg.rope_base} and {cfg.rope_factor}"),
+        (cfg.rope_scaling == "none" and cfg.rope_factor != 1, f"rope_factor={cfg.rope_factor}"
+         " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
+        if wrong:
+            raise ValueError(why)
+    # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
+    # base overflows a float (OverflowError) long before: both are factors no one means
+    window = cfg.original_context * cfg.rope_factor
+    if window >= 2 ** 53 or (rope and cfg.rope_scaling == "ntk" and math.log(
+            cfg.rope_base) + math.log(cfg.rope_factor) * hd / (hd - 2) > 700):
+        raise ValueError(f"rope_factor={cfg.rope_factor:g} is too large: a window of "
+                         f"{window:.3g} positions (rope_original x rope_factor) cannot be "
+                         f"computed exactly")
 
 
 def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
