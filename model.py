@@ -330,7 +330,10 @@ class RoFormer(nn.Module):
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
-    def _apply(self, fn, *args, **kwargs):  # casting the model would round the tables for good
+    # Why a private hook: model.to(dtype) casts every floating buffer (no per-buffer opt-out);
+    # plain attributes would not follow model.to(device), DDP or FSDP; and a table cast to bf16
+    # and back is float32 again, rounded, so no dtype check at use could tell it to rebuild.
+    def _apply(self, fn, *args, **kwargs):  # so the float32 tables stay as rope_table built them
         tables = {n: getattr(self, n) for n in ("rope_cos", "rope_sin", "sin_emb")}
         super()._apply(fn, *args, **kwargs)
         for name, before in tables.items():
