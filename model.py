@@ -140,12 +140,10 @@ def apply_rope(x, cos, sin):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-# 3. Linear attention, RoFormer eq. 19, causal (rotation in the numerator only):
-#   o_m = sum_{n<=m} (R_m phi(q_m))^T (R_n phi(k_n)) v_n / (sum_{n<=m} phi(q_m)^T phi(k_n) + eps)
-# The guard (docs/MODEL.md) divides by at least GUARD x a bound of the numerator, so |out| <=
-# max|v| / GUARD; the bound folds channel i onto i + d/2 as apply_rope pairs them (change the
-# pairing, change the fold: tests/test_contract.py's bound catches it). Chunked: a masked
-# product in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
+# 3. Linear attention, RoFormer eq. 19, causal, rotation in the numerator only (docs/MODEL.md,
+# with the guard: the denominator is at least GUARD x a bound of the numerator, |out| <= max|v|
+# / GUARD; its fold pairs channel i with i + d/2 as apply_rope does). Chunked: a masked product
+# in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
 GUARD = 0.25
 
 
@@ -258,19 +256,19 @@ class Attention(nn.Module):
         if cfg.pos_encoding != "rope":
             baselines().add_tables(self, cfg, "attention")
 
-    def forward(self, x, where, cache=None):
+    def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = (self.linear if self.cfg.attention == "linear" else self.softmax)(qkv, where, cache)
+        y = (self.linear if self.cfg.attention == "linear" else self.softmax)(qkv, positions, cache)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
-    def softmax(self, qkv, where, cache):
+    def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
-        q, k = apply_rope(qk, *where.rope) if where.rope is not None else qk  # v: not rotated
-        v, key_pos, visible = v.squeeze(0), where.pos, None  # no cache: the chunk's own keys
+        q, k = apply_rope(qk, *positions.rope) if positions.rope else qk  # v: not rotated
+        v, key_pos, visible = v.squeeze(0), positions.pos, None  # no cache: the chunk's own keys
         if cache is not None:
-            k, v, key_pos, visible = cache.update(self.layer, k, v, where.pos)
-        mask, distance = where.scores(key_pos, visible)
+            k, v, key_pos, visible = cache.update(self.layer, k, v, positions.pos)
+        mask, distance = positions.scores(key_pos, visible)
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
             mask = mask + self.rel_k(q, distance)
         if mask is not None and mask.is_floating_point():
@@ -279,11 +277,11 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
             dropout_p=self.cfg.dropout if self.training else 0.0)
 
-    def linear(self, qkv, where, cache):
+    def linear(self, qkv, positions, cache):
         q, k, v = qkv
         # autocast off: the state and denominator must be summed in float32
         with torch.autocast(q.device.type, enabled=False):
-            y, (S, z) = linear_attention(q, k, v, *(where.rope or (None, None)),
+            y, (S, z) = linear_attention(q, k, v, *(positions.rope or (None, None)),
                                          self.cfg.feature_map, self.cfg.linear_chunk,
                                          None if cache is None else cache.state[self.layer])
             if self.cfg.linear_norm:
@@ -304,8 +302,8 @@ class Block(nn.Module):  # pre-norm: x + attn(norm(x)), then x + mlp(norm(x))
             c_proj=nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
             drop=nn.Dropout(cfg.dropout)))
 
-    def forward(self, x, where, cache=None):
-        x = x + self.attn(self.ln_1(x), where, cache)
+    def forward(self, x, positions, cache=None):
+        x = x + self.attn(self.ln_1(x), positions, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -386,9 +384,7 @@ class RoFormer(nn.Module):
         rope = self.config.pos_encoding == "rope"
         return None if rope else baselines().position_embedding(self, pos, index)
 
-    def position_bias(self, d, visible):  # hook 2 of 2: a mask, or a float bias on the scores
-        if self.config.pos_encoding not in RELATIVE:
-            return visible  # visible: (Lq, Lk) bool, causality and the decoding window
+    def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
         return baselines().position_bias(self, d, visible)
 
     def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
@@ -410,9 +406,9 @@ class RoFormer(nn.Module):
         x, added = self.wte(idx), self.position_embedding(pos, rows)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
-        where = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
+        positions = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
         for block in self.blocks:
-            x = block(x, where, cache)
+            x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
