@@ -233,6 +233,7 @@ class Positions(NamedTuple):  # what every layer needs to know about one forward
     pos: torch.Tensor                      # the queries' absolute positions, (T,)
     rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
     bias: Optional[Callable] = None        # (distance, visible) -> scores' bias; relative only
+    own: Optional[tuple] = None            # scores(pos), for the chunk's own keys: built once
 
     def scores(self, key_pos, visible=None):
         """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias with
@@ -265,10 +266,12 @@ class Attention(nn.Module):
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
         q, k = apply_rope(qk, *positions.rope) if positions.rope else qk  # v: not rotated
-        v, key_pos, visible = v.squeeze(0), positions.pos, None  # no cache: the chunk's own keys
+        v = v.squeeze(0)
         if cache is not None:
             k, v, key_pos, visible = cache.update(self.layer, k, v, positions.pos)
-        mask, distance = positions.scores(key_pos, visible)
+            mask, distance = positions.scores(key_pos, visible)
+        else:  # the chunk's own keys
+            mask, distance = positions.own or positions.scores(positions.pos)
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
             mask = mask + self.rel_k(q, distance)
         if mask is not None and mask.is_floating_point():
@@ -407,6 +410,8 @@ class RoFormer(nn.Module):
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
         positions = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
+        if cache is None:  # every layer attends to the same keys: one mask for all
+            positions = positions._replace(own=positions.scores(pos))
         for block in self.blocks:
             x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
