@@ -5,7 +5,7 @@ ablation baselines in lib/baselines.py, imported only when pos_encoding is not "
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -45,43 +45,48 @@ class RoFormerConfig:
         return max(self.block_size, int(self.original_context * self.rope_factor))
 
     def __post_init__(self):
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
-                     "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (name != "rope_original"):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
-                              "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-                              "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        rope, hd = self.pos_encoding == "rope", self.n_embd // self.n_head
-        if self.attention == "linear" and self.pos_encoding in RELATIVE:
-            raise ValueError(f"pos_encoding={self.pos_encoding!r} biases the attention scores, "
-                             "which linear attention never forms: use attention='softmax'")
-        if not rope:  # a baseline's own settings, checked where the baselines live
-            baselines().check(self)
-        for wrong, why in [
-            (self.n_embd % self.n_head, f"n_embd {self.n_embd} must be divisible by n_head"),
-            (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
-            (rope and self.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
-             f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
-            (not 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
-            (not (1.0 < self.rope_base < math.inf and 1.0 <= self.rope_factor < math.inf),
-             f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
-             f"{self.rope_base} and {self.rope_factor}"),
-            (self.rope_scaling == "none" and self.rope_factor != 1, f"rope_factor={self.rope_factor}"
-             " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
-            if wrong:
-                raise ValueError(why)
-        # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
-        # base overflows a float (OverflowError) long before: both are factors no one means
-        window = self.original_context * self.rope_factor
-        if window >= 2 ** 53 or (rope and self.rope_scaling == "ntk" and math.log(
-                self.rope_base) + math.log(self.rope_factor) * hd / (hd - 2) > 700):
-            raise ValueError(f"rope_factor={self.rope_factor:g} is too large: a window of "
-                             f"{window:.3g} positions (rope_original x rope_factor) cannot be "
-                             f"computed exactly")
+        check_config(self)  # below, so that the fields read first
+
+
+def check_config(cfg):
+    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model."""
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
+                 "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < (name != "rope_original"):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
+                          "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
+                          "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
+    if cfg.attention == "linear" and cfg.pos_encoding in RELATIVE:
+        raise ValueError(f"pos_encoding={cfg.pos_encoding!r} biases the attention scores, "
+                         "which linear attention never forms: use attention='softmax'")
+    if not rope:  # a baseline's own settings, checked where the baselines live
+        baselines().check(cfg)
+    for wrong, why in [
+        (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
+        (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
+        (rope and cfg.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
+         f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
+        (not 0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}"),
+        (not (1.0 < cfg.rope_base < math.inf and 1.0 <= cfg.rope_factor < math.inf),
+         f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
+         f"{cfg.rope_base} and {cfg.rope_factor}"),
+        (cfg.rope_scaling == "none" and cfg.rope_factor != 1, f"rope_factor={cfg.rope_factor}"
+         " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
+        if wrong:
+            raise ValueError(why)
+    # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
+    # base overflows a float (OverflowError) long before: both are factors no one means
+    window = cfg.original_context * cfg.rope_factor
+    if window >= 2 ** 53 or (rope and cfg.rope_scaling == "ntk" and math.log(
+            cfg.rope_base) + math.log(cfg.rope_factor) * hd / (hd - 2) > 700):
+        raise ValueError(f"rope_factor={cfg.rope_factor:g} is too large: a window of "
+                         f"{window:.3g} positions (rope_original x rope_factor) cannot be "
+                         f"computed exactly")
 
 
 def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
@@ -135,12 +140,10 @@ def apply_rope(x, cos, sin):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-# 3. Linear attention, RoFormer eq. 19, causal (rotation in the numerator only):
-#   o_m = sum_{n<=m} (R_m phi(q_m))^T (R_n phi(k_n)) v_n / (sum_{n<=m} phi(q_m)^T phi(k_n) + eps)
-# The guard (docs/MODEL.md) divides by at least GUARD x a bound of the numerator, so |out| <=
-# max|v| / GUARD; the bound folds channel i onto i + d/2 as apply_rope pairs them (change the
-# pairing, change the fold: tests/test_contract.py's bound catches it). Chunked: a masked
-# product in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
+# 3. Linear attention, RoFormer eq. 19, causal, rotation in the numerator only (docs/MODEL.md,
+# with the guard: the denominator is at least GUARD x a bound of the numerator, |out| <= max|v|
+# / GUARD; its fold pairs channel i with i + d/2 as apply_rope does). Chunked: a masked product
+# in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
 GUARD = 0.25
 
 
@@ -184,31 +187,34 @@ class KVCache:
 
     def __init__(self, n_layer, size, window, device):
         self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
-        self.slot_pos = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.slot_pos = torch.full((n_layer, size), -1, dtype=torch.long, device=device)
         self.window = window
 
-    def place(self, pos, start):
-        """Once per forward: the new keys' slots and whether update writes them before they are
-        attended to, -> query x key distances, visibility. `start`: int, or pos (static step)."""
-        size, new = self.slot_pos.numel(), pos.numel()
-        # Write first only when nothing a query needs is evicted (one token, or free slots).
-        self.write_first = new == 1 or start + new <= size
-        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
-        self.slots = kept % size
-        key_pos = self.slot_pos if self.write_first else torch.cat((self.slot_pos, pos))
-        self.slot_pos[self.slots] = kept  # in place; key_pos aliases it when writing first
-        distance = pos[:, None] - key_pos[None, :]
-        return distance, (key_pos >= 0) & (distance >= 0) & (distance < self.window)
+    def visible(self, distance, key_pos):  # (queries, keys) bool: causal, inside the window
+        return (key_pos >= 0) & (distance >= 0) & (distance < self.window)
 
-    def update(self, layer, k, v):  # -> the keys and values the layer's queries see
-        if self.keys[layer] is None:  # allocated by the first forward: its batch and dtype
-            shape = (k.size(0), k.size(1), self.slot_pos.numel(), k.size(3))
+    def update(self, layer, k, v, pos):
+        """Store one layer's new keys and values (positions pos) -> the keys, values, their
+        positions and the (queries, keys) visibility that the layer's queries attend with."""
+        empty = self.keys[layer] is None
+        if empty:  # allocated by the first forward: its batch and dtype
+            shape = (k.size(0), k.size(1), self.slot_pos.size(1), k.size(3))
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-        keys, values, kept = self.keys[layer], self.values[layer], self.slots.numel()
-        seen = (keys, values) if self.write_first else (torch.cat((keys, k), 2),
-                                                        torch.cat((values, v), 2))
-        keys[:, :, self.slots], values[:, :, self.slots] = k[:, :, -kept:], v[:, :, -kept:]
-        return seen
+        keys, values, slot_pos = self.keys[layer], self.values[layer], self.slot_pos[layer]
+        size, new = slot_pos.numel(), pos.numel()
+        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
+        slots = kept % size
+        # Write first only when nothing a query needs is evicted: one token, or a chunk that
+        # fits an empty cache (known on the host: no read-back); else the queries attend to
+        # the old slots and the whole chunk side by side.
+        if new == 1 or (empty and new <= size):
+            key_pos, seen = slot_pos, (keys, values)  # aliases: read after the writes below
+        else:
+            key_pos, seen = torch.cat((slot_pos, pos)), (torch.cat((keys, k), 2),
+                                                         torch.cat((values, v), 2))
+        slot_pos[slots] = kept
+        keys[:, :, slots], values[:, :, slots] = k[:, :, -size:], v[:, :, -size:]
+        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos)
 
 
 class RecurrentState:
@@ -224,9 +230,19 @@ class RecurrentState:
 
 # 5. The transformer
 class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
-    rope: Optional[tuple]                    # (cos, sin) at the tokens' positions, RoPE only
-    mask: Optional[torch.Tensor] = None      # None: causal; bool, or float bias (-inf: hidden)
-    distance: Optional[torch.Tensor] = None  # query x key distances (for rel_k's term)
+    pos: torch.Tensor                      # the queries' absolute positions, (T,)
+    rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
+    bias: Optional[Callable] = None        # (distance, visible) -> scores' bias; relative only
+    own: Optional[tuple] = None            # scores(pos), for the chunk's own keys: built once
+
+    def scores(self, key_pos, visible=None):
+        """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias with
+        -inf where hidden) and the (queries, keys) distances. visible: the cache's, else causal."""
+        if visible is None and self.bias is None:
+            return None, None
+        distance = self.pos[:, None] - key_pos[None, :]
+        visible = distance >= 0 if visible is None else visible
+        return (visible if self.bias is None else self.bias(distance, visible)), distance
 
 
 class Attention(nn.Module):
@@ -241,31 +257,34 @@ class Attention(nn.Module):
         if cfg.pos_encoding != "rope":
             baselines().add_tables(self, cfg, "attention")
 
-    def forward(self, x, where, cache=None):
+    def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = (self.linear if self.cfg.attention == "linear" else self.softmax)(qkv, where, cache)
+        y = (self.linear if self.cfg.attention == "linear" else self.softmax)(qkv, positions, cache)
         return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
-    def softmax(self, qkv, where, cache):
+    def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
-        q, k = apply_rope(qk, *where.rope) if where.rope is not None else qk  # v: not rotated
-        v, mask = v.squeeze(0), where.mask
+        q, k = apply_rope(qk, *positions.rope) if positions.rope else qk  # v: not rotated
+        v = v.squeeze(0)
+        if cache is not None:
+            k, v, key_pos, visible = cache.update(self.layer, k, v, positions.pos)
+            mask, distance = positions.scores(key_pos, visible)
+        else:  # the chunk's own keys
+            mask, distance = positions.own or positions.scores(positions.pos)
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
-            mask = mask + self.rel_k(q, where.distance)
+            mask = mask + self.rel_k(q, distance)
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # SDPA wants q's dtype; the bias was built in float32
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
         return F.scaled_dot_product_attention(  # no mask and no cache: plain causal
             q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
             dropout_p=self.cfg.dropout if self.training else 0.0)
 
-    def linear(self, qkv, where, cache):
+    def linear(self, qkv, positions, cache):
         q, k, v = qkv
         # autocast off: the state and denominator must be summed in float32
         with torch.autocast(q.device.type, enabled=False):
-            y, (S, z) = linear_attention(q, k, v, *(where.rope or (None, None)),
+            y, (S, z) = linear_attention(q, k, v, *(positions.rope or (None, None)),
                                          self.cfg.feature_map, self.cfg.linear_chunk,
                                          None if cache is None else cache.state[self.layer])
             if self.cfg.linear_norm:
@@ -286,8 +305,8 @@ class Block(nn.Module):  # pre-norm: x + attn(norm(x)), then x + mlp(norm(x))
             c_proj=nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias),
             drop=nn.Dropout(cfg.dropout)))
 
-    def forward(self, x, where, cache=None):
-        x = x + self.attn(self.ln_1(x), where, cache)
+    def forward(self, x, positions, cache=None):
+        x = x + self.attn(self.ln_1(x), positions, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -312,7 +331,10 @@ class RoFormer(nn.Module):
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
-    def _apply(self, fn, *args, **kwargs):  # casting the model would round the tables for good
+    # Why a private hook: model.to(dtype) casts every floating buffer (no per-buffer opt-out);
+    # plain attributes would not follow model.to(device), DDP or FSDP; and a table cast to bf16
+    # and back is float32 again, rounded, so no dtype check at use could tell it to rebuild.
+    def _apply(self, fn, *args, **kwargs):  # so the float32 tables stay as rope_table built them
         tables = {n: getattr(self, n) for n in ("rope_cos", "rope_sin", "sin_emb")}
         super()._apply(fn, *args, **kwargs)
         for name, before in tables.items():
@@ -335,6 +357,9 @@ class RoFormer(nn.Module):
     def pos_tables(self, n, device):
         """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
         geometrically, only if short (or slid past 0 by slide_tables)."""
+        if self.wpe is not None and n > self.wpe.num_embeddings:  # the one table that cannot grow
+            raise ValueError(f"learned positions end at block_size={self.wpe.num_embeddings}; "
+                             f"cannot run position {n - 1} (use use_cache=False to crop)")
         have = self.fixed_table()
         if have is None or (have.size(0) >= n and self.table_start == 0):
             return  # the other encodings have no fixed table
@@ -362,9 +387,7 @@ class RoFormer(nn.Module):
         rope = self.config.pos_encoding == "rope"
         return None if rope else baselines().position_embedding(self, pos, index)
 
-    def position_bias(self, d, visible):  # hook 2 of 2: a mask, or a float bias on the scores
-        if self.config.pos_encoding not in RELATIVE:
-            return visible  # visible: (Lq, Lk) bool, causality and the decoding window
+    def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
         return baselines().position_bias(self, d, visible)
 
     def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
@@ -374,29 +397,23 @@ class RoFormer(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
-        With a cache, idx holds positions start_pos.. and also attends to the cached ones;
-        start_pos is a (1,) tensor in the static one-token step (one graph for every position);
-        its table rows must be held then (pos_tables, or slide_tables as sample.py calls it)."""
+        idx holds positions start_pos.. (with a cache, after the cached ones). start_pos: an
+        int, or a (1,) tensor as in the static compiled step (one graph for every position),
+        whose table rows must then be held (pos_tables, or slide_tables as lib/decode.py calls)."""
         c, T = self.config, idx.size(1)
-        if isinstance(start_pos, torch.Tensor):  # table entries by gather, not a slice
-            if T != 1:
-                raise ValueError(f"a tensor start_pos decodes one token per sequence, got {T}")
-            table = self.fixed_table()  # slot p % L holds position p (slide_tables)
-            pos, index = start_pos, start_pos if table is None else start_pos % table.size(0)
-        else:
+        if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables grow to it
             self.pos_tables(start_pos + T, idx.device)
-            pos = torch.arange(start_pos, start_pos + T, device=idx.device)
-            index = slice(start_pos, start_pos + T)
-        x, added = self.wte(idx), self.position_embedding(pos, index)
+        pos = torch.arange(T, device=idx.device) + start_pos  # the tokens' absolute positions
+        table = self.fixed_table()
+        rows = pos if table is None else pos % table.size(0)  # slot p % L holds position p
+        x, added = self.wte(idx), self.position_embedding(pos, rows)
         x = self.drop(x if added is None else x + added)
-        rope = (self.rope_cos[index], self.rope_sin[index]) if c.pos_encoding == "rope" else None
-        where = Positions(rope)
-        if isinstance(cache, KVCache) or c.pos_encoding in RELATIVE:
-            distance, visible = (cache.place(pos, start_pos) if isinstance(cache, KVCache) else
-                                 (pos[:, None] - pos[None, :], pos[:, None] >= pos[None, :]))
-            where = Positions(rope, self.position_bias(distance, visible), distance)
+        rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
+        positions = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
+        if cache is None:  # every layer attends to the same keys: one mask for all
+            positions = positions._replace(own=positions.scores(pos))
         for block in self.blocks:
-            x = block(x, where, cache)
+            x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None

@@ -418,20 +418,16 @@ def keep_sinks(model, n_sink):
     def sink_cache(total_len, device):
         cache = new_cache(total_len, device)
 
-        def place(pos, start):  # same signature and results as KVCache.place
-            size = cache.slot_pos.numel()
-            if int(cache.slot_pos.max()) >= 0 or pos.numel() <= size:
+        def update(layer, k, v, pos):  # KVCache.update, with the sinks' visibility
+            if int(cache.slot_pos[layer].max()) >= 0 or pos.numel() <= cache.slot_pos.size(1):
                 raise RuntimeError("keep_sinks supports one prefill longer than block_size only")
-            key_pos = torch.cat((cache.slot_pos, pos))  # empty slots (-1), then this chunk's keys
+            keys, values, key_pos, _ = plain_update(layer, k, v, pos)  # the whole chunk in view
             d = pos[:, None] - key_pos[None, :]  # true distances, also for a relative bias
             recent = (d >= 0) & (d < bs - n_sink)
             sink = (d >= 0) & (key_pos[None, :] >= 0) & (key_pos[None, :] < n_sink)
-            kept = pos[-size:]
-            cache.slots, cache.write_first = kept % size, False  # what update() then uses
-            cache.slot_pos[cache.slots] = kept
-            return d, (recent | sink) & (key_pos[None, :] >= 0)
+            return keys, values, key_pos, (recent | sink) & (key_pos[None, :] >= 0)
 
-        cache.place = place  # an instance attribute: this cache object only
+        plain_update, cache.update = cache.update, update  # instance attributes: this cache only
         return cache
 
     model.new_cache = sink_cache  # an instance attribute: this model object only

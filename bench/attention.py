@@ -52,7 +52,7 @@ def run_one(attention, pos, N, n_embd, n_head, reps, chunk):
     x = torch.randn(1, N, n_embd, requires_grad=True)
     table = rope_table(torch.arange(N), n_embd // n_head)
     kinds = {"rope": table, "none": None} if pos == "both" else {pos: table if pos == "rope" else None}
-    kinds = {k: Positions(rope, None) for k, rope in kinds.items()}
+    kinds = {k: Positions(torch.arange(N), rope) for k, rope in kinds.items()}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = {k: [] for k in kinds}
     for i in range(reps + 1):
@@ -81,10 +81,7 @@ def position_step(pos, N, n_embd, n_head):
 
     def step():
         rope = (model.rope_cos[:N], model.rope_sin[:N]) if pos == "rope" else None
-        where = Positions(rope, None)
-        if pos in RELATIVE:
-            d = p[:, None] - p[None, :]
-            where = Positions(rope, model.position_bias(d, d >= 0), d)
+        where = Positions(p, rope, model.position_bias if pos in RELATIVE else None)
         layer(x, where).sum().backward()
         model.zero_grad(set_to_none=True)
         x.grad = None
@@ -168,7 +165,7 @@ def decode_speed(new_tokens, reps):
         cache = m.new_cache(shape["block_size"], "cpu")
         m(idx, cache=cache, start_pos=0)  # allocate the cache, then count what one slot holds
         per_token = sum(t.numel() * t.element_size() for t in cache.keys + cache.values
-                        ) / cache.slot_pos.numel()
+                        ) / cache.slot_pos.size(-1)
         cells = [f"{rate[(pos, n)]:.1f} | {rate[(pos, n)] / rate[('rope', n)]:.2f}"
                  if (pos, n) in rate else "n/a | n/a" for n in (inside, new_tokens)]
         print(f"| {pos} | {' | '.join(cells)} | {per_token:.0f} |", flush=True)

@@ -141,8 +141,21 @@ def test_tensor_position_step_equals_int_position_step():
                 out.append(m(idx[:, t:t + 1], cache=cache, start_pos=p)[0])
             outs.append(torch.cat(out, 1))
         assert torch.equal(outs[0], outs[1]), pos_encoding
-    with pytest.raises(ValueError, match="one token"):
-        m(idx[:, :2], cache=m.new_cache(8, idx.device), start_pos=torch.tensor([3]))
+
+
+def test_tensor_start_pos_takes_the_int_path_for_any_chunk():
+    """Issue 36: one path for positions. A prefill chunk at a tensor start_pos (its rows held)
+    gives the int start_pos's logits, for every encoding with a table or none."""
+    for pos_encoding in ["rope", "sinusoidal", "none", "t5"]:
+        m = tiny(pos_encoding=pos_encoding, block_size=8)
+        idx = torch.randint(0, 61, (2, 12))
+        m.pos_tables(12, idx.device)
+        outs = []
+        for start in (3, torch.tensor([3])):
+            cache = m.new_cache(12, idx.device)
+            m(idx[:, :3], cache=cache, start_pos=0)
+            outs.append(m(idx[:, 3:9], cache=cache, start_pos=start)[0])
+        assert torch.equal(outs[0], outs[1]), pos_encoding
 
 
 @pytest.mark.slow
@@ -209,3 +222,12 @@ def test_sample_py_is_a_script_that_nothing_imports():
     used = {m for m in imported_modules(os.path.join(ROOT, "lib", "decode.py"))
             if m.split(".")[0] != "torch"}
     assert "model" in used and used <= {"model", "lib.common"}, used
+
+
+def test_learned_positions_past_block_size_are_refused_in_one_line():
+    """The int path checks the positions against the one table that cannot grow (wpe) before
+    any layer runs: uncached and cached, one ValueError naming the limit, not an IndexError."""
+    m = tiny(pos_encoding="learned")
+    for kw in [dict(), dict(cache=m.new_cache(20, "cpu"), start_pos=5)]:
+        with pytest.raises(ValueError, match="learned positions end at block_size=8"):
+            m(torch.zeros(1, 9 if not kw else 4, dtype=torch.long), **kw)

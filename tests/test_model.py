@@ -397,6 +397,31 @@ def test_cache_slots_are_never_rewritten():
             assert not torch.equal(k1[:, :, t], k0[:, :, t])  # the new key did land at slot t
 
 
+def test_cache_update_is_one_call_per_layer_returning_what_it_attends_to():
+    """Issue 36: KVCache.update(layer, k, v, pos) alone (no earlier call per forward) returns
+    the keys and values each query sees, identified by the positions it returns: exactly the
+    last `window` positions up to the query's own (naive reference), and each layer's slots
+    are its own (layer 1 updated only every other chunk)."""
+    from model import KVCache
+    size = window = 6
+    cache, p, fed = KVCache(2, size, window, "cpu"), 0, []  # fed: the positions layer 1 got
+    for i, n in enumerate([4, 1, 1, 5, 1, 9, 2]):
+        pos = torch.arange(p, p + n)
+        k = pos.double().view(1, 1, n, 1).expand(1, 1, n, 2)  # a key holds its own position
+        for layer in ([0, 1] if i % 2 == 0 else [0]):
+            keys, values, key_pos, visible = cache.update(layer, k, k + 0.5, pos)
+            assert torch.equal(values[..., visible.any(0), :], keys[..., visible.any(0), :] + 0.5)
+            for q in range(n):
+                seen = sorted(keys[0, 0, visible[q], 0].long().tolist())
+                want = [m for m in range(pos[q] + 1) if pos[q] - m < window]
+                if layer == 1:  # only the chunks it was given
+                    want = [m for m in want if m in fed + pos.tolist()]
+                assert seen == want and torch.equal(key_pos[visible[q]].sort().values,
+                                                    torch.tensor(seen))
+        fed += pos.tolist() if i % 2 == 0 else []
+        p += n
+
+
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 @pytest.mark.parametrize("chunks", [[3, 4, 1, 6], [5, 9, 10]])
 def test_chunked_prefill_into_nonempty_cache_equals_token_by_token(attention, chunks):
@@ -469,7 +494,7 @@ def test_rope_scaling_window_rolls_past_the_extended_window():
         got = cached_logits(m, idx, split=20)
         want = torch.stack([m(idx[:, max(0, t - 127):t + 1])[0][:, -1] for t in range(150)], 1)
     assert (got - want).abs().max() < 1e-4
-    assert m.new_cache(1000, "cpu").slot_pos.numel() == 128
+    assert m.new_cache(1000, "cpu").slot_pos.size(-1) == 128
 
 
 def test_learned_positions_decode_a_full_block_prompt_and_one_token():

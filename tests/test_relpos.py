@@ -287,3 +287,15 @@ def test_checkpoints_reload_in_sample_py(tmp_path, capsys):
         sample.main([f"--out_dir={out_dir}", f"--start={prompt}", "--max_new_tokens=40",
                      "--temperature=1.0", "--top_k=0", "--stop_at_eos=False", "--seed=5"])
         assert capsys.readouterr().out == sp.decode(want) + "\n"
+
+
+def test_an_uncached_forward_builds_the_bias_once_for_all_layers(monkeypatch):
+    """Every layer of an uncached forward attends to the same keys: the bias (t5's embedding
+    lookup and its backward) is built once per forward, not once per layer, as a cached
+    forward builds it per layer from the keys its cache returns."""
+    m = tiny("t5")
+    calls = []
+    real = m.position_bias
+    monkeypatch.setattr(m, "position_bias", lambda d, v: calls.append(d.shape) or real(d, v))
+    m(torch.randint(0, 61, (1, 8)))
+    assert len(m.blocks) > 1 and calls == [(8, 8)]
