@@ -52,13 +52,11 @@ def sinusoidal_embedding(pos, dim):
 def position_embedding(model, pos, index):
     """Position hook 1 of 2 (RoFormer.position_embedding): learned rows of model.wpe, or the
     sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.pos_tables builds with
-    sinusoidal_embedding and grows), at positions pos (index: the same as a slice, or the
-    static step's tensor); None for the encodings that add nothing."""
+    sinusoidal_embedding and grows), at positions pos (index: their table rows); None for the
+    encodings that add nothing. Learned positions past block_size are refused before any layer
+    runs (RoFormer.pos_tables)."""
     c = model.config
     if c.pos_encoding == "learned":
-        if isinstance(index, slice) and index.stop > c.block_size:
-            raise ValueError(f"learned positions end at block_size={c.block_size}; cannot "
-                             f"run position {index.stop - 1} (use use_cache=False to crop)")
         return model.wpe(pos)
     if c.pos_encoding == "sinusoidal":
         return model.sin_emb[index].to(model.wte.weight.dtype)
