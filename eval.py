@@ -4,7 +4,7 @@ Measure a trained run on text: loss in nats per token, perplexity, and bits per 
     python eval.py --out_dir=out-small --input=notes.txt             # or docs/,README.md --json
     python eval.py --out_dir=out-small --split=val
     python eval.py --out_dir=out-small --input=long.txt --lengths=256,1024,4096 --window_mode=local
-    python eval.py --out_dir=out-small --passkey --lengths=256,1024 --depths=0,0.5,1
+    python eval.py --out_dir=out-small --passkey --lengths=256,1024 --depths=0,0.5,1 [--keys=4]
 
 Nats per token depend on the tokenizer (a bigger vocab puts more text in each token), so runs
 with different vocabularies, or other models, compare only in bits per byte: the total loss in
@@ -29,7 +29,9 @@ with windows of L tokens (stride default L/2), so only the context differs (L pa
 window: extrapolation; L past the longest text scores each text once, as L = its length
 would, and the row says so). --window_mode=local: each token sees only its last context_window
 tokens. --passkey: greedy recall of a 5-digit key put at each --depths fraction of prompts of
-about L tokens.
+about L tokens. --keys=N: N labelled keys in the filler and the question names one, the asked
+key at the depth and the others where the seed puts them (RULER's multi-key needle; 1: the
+single unlabelled key).
 """
 import json as jsonlib
 import math
@@ -71,10 +73,11 @@ passkey = False         # passkey retrieval accuracy per length and depth instea
 depths = "0,0.25,0.5,0.75,1"  # --passkey: where the key sits, as a fraction of the filler
 samples = 10            # --passkey: prompts per (length, depth) cell
 seed = 1337             # --passkey: draws the keys and where the filler starts
+keys = 1                # --passkey: labelled keys in each prompt, the question names one
 # -----------------------------------------------------------------------------------------
 CONFIG_KEYS = ("out_dir", "input", "split", "text_field", "stride", "batch_size", "device",
                "dtype", "tokenizer", "rope_scaling", "rope_factor", "json", "lengths",
-               "window_mode", "passkey", "depths", "samples", "seed")
+               "window_mode", "passkey", "depths", "samples", "seed", "keys")
 ANSWER = 7  # tokens --passkey decodes: " 12345" takes 6 at most, 1 more shows no digit follows
 
 
@@ -159,6 +162,11 @@ def parse_config(argv):
         raise UserError(f"split must be val or train, got {cfg['split']!r}")
     if cfg["batch_size"] < 1 or cfg["stride"] < 0 or cfg["samples"] < 1:
         raise UserError("batch_size, samples must be >= 1 and stride >= 0 (0: half the window)")
+    if cfg["keys"] != 1 and not cfg["passkey"]:
+        raise UserError("--keys sets the keys of a --passkey prompt; pass --passkey too")
+    if cfg["passkey"]:
+        from data.passkey.prepare import check_keys
+        check_keys(cfg["keys"])
     if cfg["window_mode"] not in ("full", "local"):
         raise UserError(f"window_mode must be full or local, got {cfg['window_mode']!r}")
     try:
@@ -226,29 +234,53 @@ def check_prompt_memory(model, lengths):
                         f"--lengths")
 
 
+def check_passkey_tokenizer(sp, keys):
+    """The question (and with keys > 1 every label's) must round-trip with no unknown piece."""
+    from data.passkey.prepare import LABELLED_QUESTION, LABELS, QUESTION
+    probes = [f"{QUESTION} 0123456789"]
+    probes += [f"{LABELLED_QUESTION.format(label)} 0" for label in LABELS] if keys > 1 else []
+    for probe in probes:
+        if sp.unk_id() in sp.encode(probe) or sp.decode(sp.encode(probe)) != probe:
+            raise UserError(f"--passkey{f' --keys={keys}' if keys > 1 else ''} needs a "
+                            f"tokenizer that encodes {probe!r}; this one does not")
+
+
+def passkey_draws(seed, samples, keys, n_words):
+    """(key, filler start, asked label, other keys) per sample: one key draws as it always did,
+    more draw their labels, keys and places after it."""
+    from data.passkey.prepare import draw_labelled
+    rng, draws = random.Random(seed), []
+    for _ in range(samples):
+        key, start = rng.randint(10000, 99999), rng.randrange(n_words)
+        more = draw_labelled(rng, keys, key) if keys > 1 else (None, ())
+        draws.append((key, start, *more))
+    return draws
+
+
 def passkey_grid(model, sp, cfg, lengths, band):
     """Accuracy per length (rows) and depth (columns), or a JSON line per cell."""
-    from data.passkey.prepare import QUESTION, filler_words, prompt_ids
+    from data.passkey.prepare import filler_words, prompt_ids
     check_prompt_memory(model, lengths)
-    probe = f"{QUESTION} 0123456789"
-    if sp.unk_id() in sp.encode(probe) or sp.decode(sp.encode(probe)) != probe:
-        raise UserError(f"--passkey needs a tokenizer that encodes {probe!r}; this one does not")
-    words, rng, cells, depths = filler_words(), random.Random(cfg["seed"]), [], cfg["depths"]
+    keys = cfg.get("keys", 1)
+    check_passkey_tokenizer(sp, keys)
+    words, cells, depths = filler_words(), [], cfg["depths"]
     # every cell asks the same keys with the same filler: only length and depth differ
-    draws = [(rng.randint(10000, 99999), rng.randrange(len(words))) for _ in range(cfg["samples"])]
-    prompt_ids(sp, words, draws[0][1], min(lengths), 0, draws[0][0])  # too short: fail first
+    draws = passkey_draws(cfg["seed"], cfg["samples"], keys, len(words))
+    for key, start, label, others in draws:  # too short: fail first
+        prompt_ids(sp, words, start, min(lengths), 0, key, label, others)
     if not cfg["json"]:
-        print(f"passkey accuracy, {len(draws)} prompts a cell, window_mode {cfg['window_mode']}\n"
-              f"{'length':>8}" + "".join(f"{d:>7g}" for d in depths))
+        print(f"passkey accuracy, keys={keys}, {len(draws)} prompts a cell, window_mode "
+              f"{cfg['window_mode']}\n{'length':>8}" + "".join(f"{d:>7g}" for d in depths))
     for length in lengths:
         for depth in depths:
             hits = 0
-            for key, start in draws:
-                ids = prompt_ids(sp, words, start, length, depth, key)
+            for key, start, label, others in draws:
+                ids = prompt_ids(sp, words, start, length, depth, key, label, others)
                 answer = sp.decode(greedy(model, ids, band, sp.get_piece_size()))
                 hits += re.match(r"\s*(\d*)", answer).group(1) == str(key)
             cells.append(dict(length=length, depth=depth, samples=len(draws), correct=hits,
-                              accuracy=hits / len(draws), window_mode=cfg["window_mode"]))
+                              accuracy=hits / len(draws), window_mode=cfg["window_mode"],
+                              keys=keys))
             if cfg["json"]:
                 print(jsonlib.dumps(cells[-1]))
         if not cfg["json"]:

@@ -677,11 +677,15 @@ def test_passkey_grid_counts_exact_matches(run, capsys, monkeypatch):
 
 
 def test_passkey_on_the_trained_model(run, capsys):
-    """The real path end to end (the tiny model knows no pass key): a full grid, local too."""
+    """The real path end to end (the tiny model knows no pass key): a full grid, local too,
+    and with two labelled keys."""
     for mode in ("full", "local"):
         cells = json_rows(capsys, f"--out_dir={run['out']}", "--passkey", "--lengths=80,150",
                           "--depths=0,1", "--samples=2", f"--window_mode={mode}")
         assert len(cells) == 4 and all(0 <= c["accuracy"] <= 1 for c in cells)
+    cells = json_rows(capsys, f"--out_dir={run['out']}", "--passkey", "--keys=2",
+                      "--lengths=300", "--depths=0,1", "--samples=2")
+    assert len(cells) == 2 and all(0 <= c["accuracy"] <= 1 and c["keys"] == 2 for c in cells)
 
 
 def test_lengths_passkey_and_window_errors(run, tmp_path):
@@ -739,3 +743,87 @@ def test_passkey_needs_a_tokenizer_that_encodes_digits(run, tmp_path):
     cfg = {"depths": [0.5], "samples": 1, "seed": 0, "json": True, "window_mode": "full"}
     msg = one_line_error(evalpy.passkey_grid, run["model"], sp, cfg, [BLOCK], None)
     assert "needs a tokenizer that encodes" in msg
+
+
+# --- multi-key retrieval (issue 38) -----------------------------------------------------------
+
+def multi_key_oracle(sp, seen, right):
+    """A stand-in for greedy decoding that reads the labelled keys off the prompt and answers
+    the key the question asks (right) or another label's key (not right)."""
+    def decode(model, ids, band, vocab):
+        text = sp.decode(ids)
+        stated = dict(re.findall(r"The pass key for ([a-z]+) is (\d+)\. Remember it\.", text))
+        asked = re.search(r"What is the pass key for ([a-z]+)\? The pass key for \1 is$", text)
+        seen.append(dict(tokens=len(ids), text=text, stated=stated, asked=asked.group(1)))
+        wrong = [k for label, k in stated.items() if label != asked.group(1)]
+        return sp.encode(f" {stated[asked.group(1)] if right else wrong[0]}.")
+    return decode
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_passkey_keys_grid_counts_the_asked_key(run, capsys, monkeypatch, right):
+    """--passkey --keys=3: every prompt states three labelled keys and asks one, the asked key
+    after round(depth * filler) words, the same keys and labels in every cell; an answer with
+    the asked key counts (accuracy 1), another stated key does not (0); the report says keys=3."""
+    from test_passkey import parse_labelled
+    seen, sp = [], run["sp"]
+    monkeypatch.setattr(evalpy, "greedy", multi_key_oracle(sp, seen, right))
+    a = (f"--out_dir={run['out']}", "--passkey", "--keys=3", "--lengths=250,400",
+         "--depths=0,0.5,1", "--samples=4", "--seed=9")
+    cells = json_rows(capsys, *a)
+    assert [(c["length"], c["depth"], c["keys"]) for c in cells] == \
+        [(n, d, 3) for n in (250, 400) for d in (0, 0.5, 1)]
+    for i, c in enumerate(cells):
+        prompts = seen[4 * i:4 * (i + 1)]
+        assert [(p["stated"], p["asked"]) for p in prompts] == \
+            [(p["stated"], p["asked"]) for p in seen[:4]]
+        for p in prompts:
+            keys, n_stated, asked, before, filler, _ = parse_labelled(p["text"])
+            assert n_stated == 3 and p["tokens"] <= c["length"] and filler > 8
+            assert before == round(c["depth"] * filler)
+        assert (c["samples"], c["correct"], c["accuracy"]) == (4, 4 * right, float(right))
+    assert len({p["asked"] for p in seen[:4]}) > 1  # the labels are drawn
+    capsys.readouterr()
+    evalpy.main(list(a))
+    assert "passkey accuracy, keys=3," in capsys.readouterr().out
+
+
+def test_passkey_keys_1_asks_todays_prompts(run, capsys, monkeypatch):
+    """--keys=1 (and no --keys) builds today's prompts: the keys and filler starts drawn from
+    the seed as before, the unlabelled text rebuilt by hand."""
+    from data.passkey.prepare import filler_words
+    from test_passkey import todays_text
+    seen = {}
+    for flag in ([], ["--keys=1"]):
+        got = seen[len(flag)] = []
+        monkeypatch.setattr(evalpy, "greedy", lambda m, ids, b, v: got.append(ids) or [])
+        rows = json_rows(capsys, f"--out_dir={run['out']}", "--passkey", "--lengths=100",
+                         "--depths=0,0.6", "--samples=3", "--seed=21", *flag)
+        assert [r["keys"] for r in rows] == [1, 1]
+    assert seen[0] == seen[1]
+    words, rng, sp = filler_words(), random.Random(21), run["sp"]
+    draws = [(rng.randint(10000, 99999), rng.randrange(len(words))) for _ in range(3)]
+    for ids, (depth, (key, start)) in zip(seen[0], [(d, k) for d in (0, 0.6) for k in draws]):
+        filler = len(sp.decode(ids).split()) - 16
+        assert ids == [sp.eos_id()] + sp.encode(todays_text(words, start, filler, depth, key))
+
+
+def test_passkey_keys_errors(run, tmp_path):
+    o, t = f"--out_dir={run['out']}", f"--input={run['root'] / 'short.txt'}"
+    assert "--keys must be between 1 and 16" in err(o, "--passkey", "--keys=0")
+    assert "--keys must be between 1 and 16" in err(o, "--passkey", "--keys=17")
+    assert "pass --passkey too" in err(o, t, "--keys=2")
+    assert "too short for a passkey prompt with 4 keys" in err(o, "--passkey", "--keys=4",
+                                                               "--lengths=80")
+    import io
+    buf = io.BytesIO()  # a tokenizer that knows the single question's letters, not the labels'
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["What is the pass key? The pass key is 0123456789"] * 20),
+        model_writer=buf, model_type="char", vocab_size=30, byte_fallback=False,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    cfg = {"depths": [0.5], "samples": 1, "seed": 0, "json": True, "window_mode": "full",
+           "keys": 2}
+    msg = one_line_error(evalpy.passkey_grid, run["model"], sp, cfg, [BLOCK], None)
+    assert "--passkey --keys=2 needs a tokenizer that encodes 'What is the pass key for" in msg
+    evalpy.check_passkey_tokenizer(sp, 1)  # the single key's question it does encode
