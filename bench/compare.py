@@ -84,8 +84,8 @@ def parse_args(argv):
                     help="'KEY=VALUE ...', patch:FILE or base (repeat for several)")
     ap.add_argument("--against", default="", help="the base runs this git revision's code")
     ap.add_argument("--seeds", type=int, default=3, help="runs per arm (seeds 1337, 1338, ...)")
-    ap.add_argument("--max_iters", type=int, default=100)
-    ap.add_argument("--eval_interval", type=int, default=0, help="default: max_iters // 5")
+    ap.add_argument("--max_iters", type=int, default=80)
+    ap.add_argument("--eval_interval", type=int, default=0, help="default: max_iters // 4")
     ap.add_argument("--eval_iters", type=int, default=4, help="train.py's periodic val batches")
     ap.add_argument("--eval_tokens", type=int, default=16384, help="held-out tokens scored")
     ap.add_argument("--dataset", default="pystdlib")
@@ -100,7 +100,7 @@ def parse_args(argv):
     args.train_extra = extra
     if args.seeds < 1 or args.max_iters < 1 or args.eval_tokens < 2:
         raise UserError("need --seeds >= 1, --max_iters >= 1 and --eval_tokens >= 2")
-    args.eval_interval = args.eval_interval or max(1, args.max_iters // 5)
+    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
     if args.config and not os.path.isfile(args.config):
         raise UserError(f"config file not found: {args.config}")
     args.config = os.path.abspath(args.config) if args.config else ""
