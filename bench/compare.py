@@ -19,7 +19,7 @@ the tracked and untracked-but-not-ignored files for the working tree, plus git a
 patch): the user's checkout is only read.
 
 Budget and data. Every run is train.py (a subprocess, in its arm's code) with the same
-max_iters, batch and schedule (lr_decay_iters = max_iters), on DIR/data: the dataset's
+max_iters, batch and schedule (lr_decay_iters = max_iters), on DIR/data/<id>: the dataset's
 train.bin and the first --eval_tokens tokens of its val.bin. Seeds are 1337, 1338, ...: train.py
 draws batches and the init from the seed, so equal seeds mean equal batches in every arm. Runs
 are interleaved seed-major (seed 1 of every arm, then seed 2, ...) so that a change in machine
@@ -116,9 +116,8 @@ def git(*cmd, **kw):
     return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, check=True, **kw).stdout
 
 
-def materialise(out, name, fill):
-    """DIR/code/<name>, filled once by fill(folder) (into a temporary folder, then renamed)."""
-    dest = os.path.join(out, "code", name)
+def materialise(dest, fill):
+    """The folder dest, filled once by fill(folder) (into a temporary folder, then renamed)."""
     if not os.path.isdir(dest):
         tmp = dest + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,7 +133,7 @@ def revision_code(out, rev):
     except (subprocess.CalledProcessError, OSError):
         raise UserError(f"--against={rev}: not a git revision of {ROOT}") from None
     tar = git("archive", "--format=tar", sha)
-    return materialise(out, "rev-" + sha[:12],
+    return materialise(os.path.join(out, "code", "rev-" + sha[:12]),
                        lambda d: tarfile.open(fileobj=io.BytesIO(tar)).extractall(d))
 
 
@@ -156,7 +155,7 @@ def worktree_code(out):
         for f in files:
             os.makedirs(os.path.dirname(os.path.join(d, f)), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), os.path.join(d, f))
-    return materialise(out, "tree-" + h.hexdigest()[:12], copy)
+    return materialise(os.path.join(out, "code", "tree-" + h.hexdigest()[:12]), copy)
 
 
 def patched_code(out, base_code, patch):
@@ -177,7 +176,7 @@ def patched_code(out, base_code, patch):
             shutil.rmtree(d, ignore_errors=True)
             why = (r.stderr.strip().splitlines() or ["git apply failed"])[-1]
             raise UserError(f"the patch {patch} does not apply: {why}")
-    return materialise(out, name, fill)
+    return materialise(os.path.join(out, "code", name), fill)
 
 
 def parse_keys(spec):
@@ -217,9 +216,11 @@ def plan_arms(args):
 
 
 def held_out_data(args):
-    """DIR/data: the dataset's train.bin (linked), tokenizer and meta.json, and the first
-    eval_tokens tokens of val.bin, so that every run and every score reads the same tokens."""
-    src, dest = args.src_data, os.path.join(args.out, "data")
+    """DIR/data/<id>: the dataset's train.bin and tokenizer (linked), its meta.json, and the
+    first eval_tokens tokens of its val.bin, so that every run and every score reads the same
+    tokens. Named by the source and the slice: another slice is another folder, hence another
+    train.py command, so no finished run is reused with other held-out tokens."""
+    src = args.src_data
     if not os.path.exists(os.path.join(src, "val.bin")) and args.dataset == "pystdlib" \
             and not args.data_dir:  # what train.py would do on first use
         subprocess.run([sys.executable, os.path.join(ROOT, "data", "pystdlib", "prepare.py")],
@@ -228,15 +229,16 @@ def held_out_data(args):
     meta = load_meta(src)
     val = np.asarray(open_split(src, "val", meta))[:args.eval_tokens]
     meta = dict(meta, val_tokens=len(val))
-    os.makedirs(dest, exist_ok=True)
-    ablation.write_atomic(os.path.join(dest, "meta.json"), json.dumps(meta))
-    val.tofile(os.path.join(dest, "val.bin"))
-    for f in ("train.bin", "tokenizer.model"):
-        if os.path.exists(os.path.join(src, f)):
-            if os.path.lexists(os.path.join(dest, f)):
-                os.remove(os.path.join(dest, f))
-            os.symlink(os.path.join(src, f), os.path.join(dest, f))
-    return dest
+    key = hashlib.sha256(json.dumps([src, meta], sort_keys=True).encode()).hexdigest()[:12]
+
+    def fill(d):
+        with open(os.path.join(d, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        val.tofile(os.path.join(d, "val.bin"))
+        for name in ("train.bin", "tokenizer.model"):
+            if os.path.exists(os.path.join(src, name)):
+                os.symlink(os.path.join(src, name), os.path.join(d, name))
+    return materialise(os.path.join(args.out, "data", key), fill)
 
 
 # ----------------------------------------------------------------------------------------
