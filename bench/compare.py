@@ -202,7 +202,7 @@ def plan_arms(args):
             if spec == "worktree":
                 arm["code"] = worktree_code(args.out)
             elif spec == "base":
-                arm["seed_offset"] = NOISE_SEED_OFFSET
+                arm.update(name="base, other seeds", seed_offset=NOISE_SEED_OFFSET)
             elif spec.startswith("patch:"):
                 arm["code"] = patched_code(args.out, base_code, spec[len("patch:"):])
             else:

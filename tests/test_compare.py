@@ -145,3 +145,17 @@ def test_bad_arguments_are_one_line():
         with pytest.raises(SystemExit) as e:
             compare.main(argv)
         assert str(e.value).startswith("error:") and word in str(e.value), e.value
+
+
+def test_the_base_again_is_its_own_arm_with_other_seeds(tmp_path):
+    args = compare.parse_args(["--variant=base", "--variant=n_layer=2 dropout=0.1", "--seeds=2",
+                               f"--out={tmp_path}"])
+    arms = compare.plan_arms(args)
+    runs = compare.plan_runs(args, arms)
+    assert [a["name"] for a in arms] == ["base", "base, other seeds", "n_layer=2 dropout=0.1"]
+    assert arms[2]["keys"] == {"n_layer": "2", "dropout": "0.1"}
+    seeds = {a["name"]: [r["seed"] for r in runs if r["arm"] is a] for a in arms}
+    assert seeds["base"] == seeds["n_layer=2 dropout=0.1"]  # paired: the same batches
+    assert not set(seeds["base"]) & set(seeds["base, other seeds"])
+    # seed-major: every arm's first seed before any arm's second
+    assert [r["pair"] for r in runs] == [0, 0, 0, 1, 1, 1]
