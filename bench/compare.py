@@ -133,8 +133,10 @@ def revision_code(out, rev):
     except (subprocess.CalledProcessError, OSError):
         raise UserError(f"--against={rev}: not a git revision of {ROOT}") from None
     tar = git("archive", "--format=tar", sha)
+    # the "data" filter where this Python has it (newer ones warn without a filter)
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
     return materialise(os.path.join(out, "code", "rev-" + sha[:12]),
-                       lambda d: tarfile.open(fileobj=io.BytesIO(tar)).extractall(d))
+                       lambda d: tarfile.open(fileobj=io.BytesIO(tar)).extractall(d, **safe))
 
 
 def worktree_code(out):
