@@ -6,9 +6,10 @@ Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
     python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
 
-Either export is written beside its place, loaded back and checked there (--check=False skips
-the loading), and only then renamed into place; what neither format maps is refused in one
-line before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
+Either export is written beside its place, read back into lib/neox.py's float64 GPT-NeoX and
+compared with our model, loaded back by transformers / llama.cpp (--check=False skips this
+loading), and only then renamed into place; what neither format maps is refused in one line
+before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
 """
 import dataclasses
 import fnmatch
@@ -20,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from data.dataset import open_split
+from lib import hf as hf_files, neox
 from lib.common import UserError, atomic_write, cli, configure
 from lib.hf import (hf_tokenizer, need, neox_config, neox_weights,  # noqa: F401 (export.*)
                     sentencepiece_proto, tokenizer_config)
@@ -124,21 +126,27 @@ def refusal(model, kind):
 # --- the check ---------------------------------------------------------------------------
 
 @torch.no_grad()
-def check_export(path, model, sp, text, dtype):
+def check_export(path, model, sp, text):
     """The folder in transformers against ours: (max |logit diff|, texts differing, texts)."""
     transformers = need("transformers")
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     c = model.config
-    for p in model.parameters():  # the weights the file holds (model.to would round RoPE too)
-        p.copy_(p.to(dtype))
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
     diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
     texts = text.split("\n") + [text]
     bad = sum(tok(t).input_ids != sp.encode(t) for t in texts)  # (and no BOS is added)
     return diff, bad, len(texts)
+
+
+@torch.no_grad()
+def reference_check(path, reference_logits, model, what):
+    """The written file computed by lib/neox.py (from what it holds alone) against `model`
+    (ours with the file's weights), on lib/neox.py's probe: a reason they differ, or None."""
+    ids = neox.probe(model.config.vocab_size, model.config.context_window)
+    return neox.disagreement(reference_logits(path, ids), model(ids[None])[0][0], what)
 
 
 def validation_text(ckpt, sp, max_tokens=20000):
@@ -207,7 +215,13 @@ def export_hf(cfg, model, sp, text):
     files["model.safetensors"] = need("safetensors.torch").save(weights, metadata={"format": "pt"})
 
     def check(folder):
-        diff, bad, n = check_export(folder, model, sp, text, getattr(torch, cfg["dtype"]))
+        with torch.no_grad():  # the weights the file holds (model.to would round RoPE too)
+            for p in model.parameters():
+                p.copy_(p.to(getattr(torch, cfg["dtype"])))
+        why = reference_check(folder, hf_files.reference_logits, model, "the folder")
+        if why or not cfg["check"]:
+            return why
+        diff, bad, n = check_export(folder, model, sp, text)
         print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
               f"blocks of {model.config.block_size}; token ids equal to sentencepiece on "
               f"{n - bad}/{n} texts", file=sys.stderr)
@@ -215,7 +229,7 @@ def export_hf(cfg, model, sp, text):
             return ("the exported model or tokenizer does not match this run (see the check "
                     "line above); nothing was written")
         return None
-    write_folder(path, files, check if cfg["check"] else None)
+    write_folder(path, files, check)
     print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
           f"({cfg['dtype']}, {len(files['model.safetensors']) / 1e6:.1f} MB), rope_theta "
           f"{conf['rope_theta']:g}, tokenizer {sp.get_piece_size()} pieces, eos "
@@ -274,6 +288,10 @@ def export_gguf(cfg, model, sp, proto, text):
         if problems:
             return f"cannot write {path}: the file read back differs from what was written: " \
                    f"{problems[0]}"
+        why = reference_check(tmp, gguf.reference_logits, gguf.weights_from_gguf(tmp, model),
+                              "the file")
+        if why:
+            return why
         if cfg["check"] and not gguf.check_with_llama_cpp(tmp, model, sp, text):
             return ("llama.cpp's tokenizer or logits do not match this run (see the check line "
                     "above); nothing was written")

@@ -1,12 +1,16 @@
 """
 A run as a Hugging Face GPTNeoXForCausalLM folder's contents (export.py writes and checks them):
-config.json (`neox_config`), the weights (`neox_weights`) and the tokenizer (`hf_tokenizer`,
-`tokenizer_config`). The mapping in detail: docs/EXPORT.md.
+config.json (`neox_config`), the weights (`neox_weights`), the tokenizer (`hf_tokenizer`,
+`tokenizer_config`), and the folder read back into lib/neox.py's float64 reference
+(`reference_logits`). The mapping in detail: docs/EXPORT.md.
 """
 import importlib
+import json
+import os
 
 import torch
 
+from lib import neox
 from lib.common import UserError
 from model import ntk_base
 
@@ -154,3 +158,42 @@ def tokenizer_config(sp, context):
             "add_bos_token": False, "add_eos_token": False,
             "model_max_length": context}
 
+
+# --- the reference -----------------------------------------------------------------------
+
+NAMES = {"ln1": "input_layernorm", "qkv": "attention.query_key_value", "out": "attention.dense",
+         "ln2": "post_attention_layernorm", "up": "mlp.dense_h_to_4h", "down": "mlp.dense_4h_to_h"}
+
+
+def reference_logits(folder, ids):
+    """lib/neox.py's forward of the folder as transformers reads it: config.json's fields
+    (rope_parameters as transformers 5 reads them) and model.safetensors' tensors."""
+    with open(os.path.join(folder, "config.json")) as f:
+        conf = json.load(f)
+    state = need("safetensors.torch").load_file(os.path.join(folder, "model.safetensors"))
+    if conf["hidden_act"] != "gelu":
+        raise UserError(f"lib/neox.py computes exact GELU, not {conf['hidden_act']!r}")
+    rope = conf["rope_parameters"]
+    kind, factor = rope.get("rope_type", "default"), rope.get("factor", 1.0)
+    if kind not in ("default", "linear", "yarn"):
+        raise UserError(f"lib/neox.py does not compute rope_type {kind!r}")
+    head = conf["hidden_size"] // conf["num_attention_heads"]
+    yarn = (rope.get("original_max_position_embeddings") or conf["max_position_embeddings"],
+            rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)) if kind == "yarn" else None
+    rot = int(head * rope.get("partial_rotary_factor", 1.0))
+
+    def W(name):
+        if name in ("embed", "head"):  # a reader that does not tie reads embed_out
+            key = "embed_out" if name == "head" and not conf["tie_word_embeddings"] else \
+                "gpt_neox.embed_in"
+            return state[key + ".weight"].double()
+        if name.startswith("final_norm."):
+            return state["gpt_neox.final_layer_norm." + name.split(".")[1]].double()
+        i, part, which = name.split(".")
+        return state[f"gpt_neox.layers.{i}.{NAMES[part]}.{which}"].double()
+
+    def rotate(x):
+        return neox.rope(x, rope["rope_theta"], 1 / factor if kind != "default" else 1.0, yarn, rot)
+    return neox.forward(W, ids, conf["num_hidden_layers"], conf["num_attention_heads"],
+                        conf["layer_norm_eps"], rotate, heads_first=True,
+                        parallel=conf["use_parallel_residual"])

@@ -271,6 +271,27 @@ def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, re
     assert not os.path.exists(tmp_path / "out" / "hf")
 
 
+@pytest.mark.parametrize("change", [{"pos_encoding": "none"}, {"attention": "linear"}])
+def test_a_wrongly_allow_listed_change_is_refused_without_transformers(run, tmp_path, monkeypatch,
+                                                                       change):
+    """Issue 37: a configuration GPT-NeoX cannot express, let through by a wrong allow-list
+    entry, with nothing to load the folder (--check=False, no transformers): lib/neox.py's
+    reference computes the folder as written and disagrees; one line, nothing left."""
+    monkeypatch.setattr(export, "config_refusal", lambda c, kind: None)  # the wrong entry
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    args = dict(run["ckpt"]["model_args"], **change)
+    torch.manual_seed(3)
+    model = RoFormer(RoFormerConfig(**args))
+    with torch.no_grad():  # sharp attention, so that positions steer the logits
+        for block in model.blocks:
+            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    msg = err(f"--out_dir={out}", "--check=False")
+    assert "lib/neox.py" in msg and "is not this model" in msg
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["ckpt.pt"]
+
+
 def test_any_other_position_encoding_is_refused():
     """Checked by value: encodings model.py may gain later (alibi, t5, ...) are refused too."""
     model = RoFormer(RoFormerConfig(**TINY))
