@@ -31,7 +31,7 @@ from lib import gguf as gguf_export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import BLOCK, corpus_docs, make_run, one_line_error, one_thread  # noqa: E402,F401
-from test_export import save_run, tricky_texts  # noqa: E402
+from test_export import refused_wrongly, save_run, tricky_texts  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TYPES = ("f32", "f16", "q8_0")
@@ -247,10 +247,12 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
                                            ({"pos_encoding": "learned"}, "only through RoPE")])
 def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
-    state = RoFormer(RoFormerConfig(**args)).state_dict()
-    out = save_run(tmp_path / "out", run["ckpt"], args, state)
+    model = RoFormer(RoFormerConfig(**args))
+    why = export.refusal(model, "gguf")
+    assert why and reason in why, refused_wrongly("gguf", reason, why)
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
     msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'm.gguf'}", "--check=False")
-    assert reason in msg and "cannot export" in msg
+    assert reason in msg and "cannot export" in msg, refused_wrongly("gguf", reason, msg)
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
