@@ -6,13 +6,13 @@ Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
     python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
 
-Either export is written beside its place, loaded back and checked there (--check=False skips
-the loading), and only then renamed into place; what neither format maps is refused in one
-line before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
+Either export is written beside its place, read back into lib/neox.py's float64 GPT-NeoX and
+compared with our model, loaded back by transformers / llama.cpp (--check=False skips this
+loading), and only then renamed into place; what neither format maps is refused in one line
+before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
 """
 import dataclasses
 import fnmatch
-import importlib
 import json
 import os
 import sys
@@ -21,9 +21,11 @@ import torch
 import torch.nn as nn
 
 from data.dataset import open_split
+from lib import hf as hf_files, neox
 from lib.common import UserError, atomic_write, cli, configure
+from lib.hf import (hf_tokenizer, need, neox_config, neox_weights,  # noqa: F401 (export.*)
+                    sentencepiece_proto, tokenizer_config)
 from lib.load import dataset_dir, load_run
-from model import ntk_base
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -36,15 +38,6 @@ gguf_type = "f16"       # of the GGUF's 2-D weights: f32 | f16 | q8_0 (norms and
 # -----------------------------------------------------------------------------------------
 HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
             "model.safetensors")
-
-
-def need(module, package=None):
-    """Import an optional package's module, or stop with one line naming the package."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        package = package or module.split(".")[0]
-        raise UserError(f"export.py needs the '{package}' package: pip install {package}") from None
 
 
 # The allow-list of both exports: every RoFormerConfig field with the values they map (ANY:
@@ -130,159 +123,30 @@ def refusal(model, kind):
     return module_refusal(model)
 
 
-# --- the model ---------------------------------------------------------------------------
-
-def neox_config(c, eos_id, torch_dtype):
-    """config.json, with the RoPE keys both as transformers 5 reads them (rope_parameters) and
-    the older way other GPT-NeoX readers use (rotary_pct, rotary_emb_base, rope_scaling)."""
-    head_dim = c.n_embd // c.n_head
-    theta, context, scaling = c.rope_base, c.context_window, None
-    if c.rope_scaling == "ntk":  # static NTK-aware scaling is plain RoPE with a larger base
-        theta = ntk_base(c.rope_base, c.rope_factor, head_dim)
-    elif c.rope_scaling == "linear" and c.rope_factor != 1.0:  # positions divided by factor
-        scaling = {"rope_type": "linear", "type": "linear", "factor": c.rope_factor}
-    elif c.rope_scaling == "yarn":  # model.py computes transformers' yarn with truncate=True;
-        # betas written though they are its defaults, so a reader with other defaults agrees
-        scaling = {"rope_type": "yarn", "type": "yarn", "factor": c.rope_factor, "truncate": True,
-                   "original_max_position_embeddings": c.original_context,
-                   "beta_fast": 32.0, "beta_slow": 1.0}
-    rope = dict(scaling or {"rope_type": "default"}, rope_theta=theta, partial_rotary_factor=1.0)
-    return {
-        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
-        "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head, "intermediate_size": 4 * c.n_embd,
-        "hidden_act": "gelu",                # exact (erf) GELU, as F.gelu
-        "layer_norm_eps": 1e-5,              # nn.LayerNorm's default
-        "use_parallel_residual": False,      # x + attn(ln1(x)), then + mlp(ln2(.))
-        "attention_bias": True,              # zeros when we train bias-free (see neox_weights)
-        "tie_word_embeddings": True,
-        "max_position_embeddings": context,  # RoPE runs past it; this is what was trained for
-        "rotary_pct": 1.0, "rotary_emb_base": theta, "rope_theta": theta,
-        "rope_scaling": scaling, "rope_parameters": rope,
-        "attention_dropout": c.dropout, "hidden_dropout": c.dropout,
-        "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": None,                # documents start after EOS; BOS is never trained
-        "eos_token_id": eos_id, "pad_token_id": None,
-        "torch_dtype": torch_dtype, "dtype": torch_dtype,
-    }
-
-
-def neox_weights(model, dtype):
-    """Our state dict -> GPT-NeoX tensor names, changing form, not content: c_attn's rows
-    [q | k | v] regrouped per head, zero biases where bias=False, and the tied head also written
-    as embed_out.weight for readers that do not tie (docs/EXPORT.md)."""
-    c = model.config
-    H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd  # heads, head size, width
-    state = {k: v.detach().to(dtype=torch.float32, device="cpu")
-             for k, v in model.state_dict().items()}
-
-    def add(ours, theirs):  # a weight and its bias (zeros where we have none)
-        w = out[theirs + ".weight"] = state[ours + ".weight"]
-        out[theirs + ".bias"] = state.get(ours + ".bias", torch.zeros(w.shape[0]))
-
-    out = {"gpt_neox.embed_in.weight": state["wte.weight"],
-           "embed_out.weight": state["wte.weight"].clone()}
-    add("ln_f", "gpt_neox.final_layer_norm")
-    for i in range(c.n_layer):
-        ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."
-        for a, b in (("ln_1", "input_layernorm"), ("attn.c_attn", "attention.query_key_value"),
-                     ("attn.c_proj", "attention.dense"), ("ln_2", "post_attention_layernorm"),
-                     ("mlp.c_fc", "mlp.dense_h_to_4h"), ("mlp.c_proj", "mlp.dense_4h_to_h")):
-            add(ours + a, theirs + b)
-        qkv = theirs + "attention.query_key_value."
-        out[qkv + "weight"] = out[qkv + "weight"].view(3, H, D, C).transpose(0, 1).reshape(3 * C, C)
-        out[qkv + "bias"] = out[qkv + "bias"].view(3, H, D).transpose(0, 1).reshape(3 * C)
-    return {k: v.to(dtype).contiguous() for k, v in out.items()}
-
-
-# --- the tokenizer -----------------------------------------------------------------------
-
-def sentencepiece_proto(sp):
-    """The tokenizer's ModelProto (needs protobuf), refused unless it is what data/tokenizer.py
-    trains: a byte-fallback BPE (or char) whose only normalisation is " " -> "▁"."""
-    pb = need("sentencepiece.sentencepiece_model_pb2", "protobuf")
-    m = pb.ModelProto()
-    m.ParseFromString(sp.serialized_model_proto())
-    spec, norm = m.trainer_spec, m.normalizer_spec
-    if spec.model_type not in (spec.BPE, spec.CHAR):
-        # unigram: tried; `tokenizers` breaks ties between equal-score segmentations differently
-        raise UserError("only bpe and char sentencepiece tokenizers are exported (the default "
-                        "ones); a unigram tokenizer would give different ids on runs of spaces")
-    if norm.name not in ("identity", "") or norm.add_dummy_prefix or \
-            norm.remove_extra_whitespaces or spec.treat_whitespace_as_suffix:  # never trained here
-        raise UserError(f"the tokenizer was trained with normalization {norm.name!r}, "
-                        f"add_dummy_prefix={norm.add_dummy_prefix}, remove_extra_whitespaces="
-                        f"{norm.remove_extra_whitespaces}; export handles identity/False/False "
-                        f"only")
-    if not spec.byte_fallback:
-        raise UserError("the tokenizer has no byte fallback; export reproduces byte-fallback "
-                        "tokenizers only (data/tokenizer.py always trains with it)")
-    return m
-
-
-def hf_tokenizer(sp):
-    """The run's sentencepiece model as a `tokenizers` Tokenizer giving the same ids. As
-    sentencepiece merges the adjacent pair whose joined piece scores highest, every split of a
-    normal piece in two is a merge ranked by its score; control pieces and <unk> are special
-    tokens never matched in text ("\\n", a user-defined piece, is an added token)."""
-    need("tokenizers")
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-    m = sentencepiece_proto(sp)
-    P, spec = m.SentencePiece, m.trainer_spec
-    pieces = list(m.pieces)
-    vocab = {p.piece: i for i, p in enumerate(pieces)}
-    merges = []
-    if spec.model_type == spec.BPE:  # a char model is the same BPE without merges
-        normal = sorted((i for i, p in enumerate(pieces) if p.type == P.NORMAL),
-                        key=lambda i: (-pieces[i].score, i))
-        for i in normal:
-            s = pieces[i].piece
-            splits = [(s[:k], s[k:]) for k in range(1, len(s)) if s[:k] in vocab and s[k:] in vocab]
-            merges += sorted(splits, key=lambda ab: (vocab[ab[0]], vocab[ab[1]]))
-    model = models.BPE(vocab=vocab, merges=merges, unk_token=pieces[spec.unk_id].piece,
-                       byte_fallback=True, fuse_unk=True)
-    tok = Tokenizer(model)
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse()])
-    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
-                            for p in pieces if p.type in (P.CONTROL, P.UNKNOWN)])
-    tok.add_tokens([AddedToken(p.piece, special=False, normalized=False)
-                    for p in pieces if p.type == P.USER_DEFINED])
-    return tok
-
-
-def tokenizer_config(sp, context):
-    """tokenizer_config.json. tokenizer_class makes AutoTokenizer read tokenizer.json as it is
-    (else the GPT-NeoX class: wrong ids); no BOS (never trained); padding with EOS on the left,
-    so batched prompts all continue from their last token."""
-    eos = sp.id_to_piece(sp.eos_id())
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": eos,
-            "padding_side": "left", "unk_token": sp.id_to_piece(sp.unk_id()),
-            "split_special_tokens": True,           # "<s>" typed in text stays text
-            "clean_up_tokenization_spaces": False,  # decode gives back the exact text
-            "add_bos_token": False, "add_eos_token": False,
-            "model_max_length": context}
-
-
 # --- the check ---------------------------------------------------------------------------
 
 @torch.no_grad()
-def check_export(path, model, sp, text, dtype):
+def check_export(path, model, sp, text):
     """The folder in transformers against ours: (max |logit diff|, texts differing, texts)."""
     transformers = need("transformers")
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(path)
     c = model.config
-    for p in model.parameters():  # the weights the file holds (model.to would round RoPE too)
-        p.copy_(p.to(dtype))
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
     diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
     texts = text.split("\n") + [text]
     bad = sum(tok(t).input_ids != sp.encode(t) for t in texts)  # (and no BOS is added)
     return diff, bad, len(texts)
+
+
+@torch.no_grad()
+def reference_check(path, reference_logits, model, what):
+    """The written file computed by lib/neox.py (from what it holds alone) against `model`
+    (ours with the file's weights), on lib/neox.py's probe: a reason they differ, or None."""
+    ids = neox.probe(model.config.vocab_size, model.config.context_window)
+    return neox.disagreement(reference_logits(path, ids), model(ids[None])[0][0], what)
 
 
 def validation_text(ckpt, sp, max_tokens=20000):
@@ -351,7 +215,13 @@ def export_hf(cfg, model, sp, text):
     files["model.safetensors"] = need("safetensors.torch").save(weights, metadata={"format": "pt"})
 
     def check(folder):
-        diff, bad, n = check_export(folder, model, sp, text, getattr(torch, cfg["dtype"]))
+        with torch.no_grad():  # the weights the file holds (model.to would round RoPE too)
+            for p in model.parameters():
+                p.copy_(p.to(getattr(torch, cfg["dtype"])))
+        why = reference_check(folder, hf_files.reference_logits, model, "the folder")
+        if why or not cfg["check"]:
+            return why
+        diff, bad, n = check_export(folder, model, sp, text)
         print(f"check: transformers loads it; max |logit difference| {diff:.2e} on 2 random "
               f"blocks of {model.config.block_size}; token ids equal to sentencepiece on "
               f"{n - bad}/{n} texts", file=sys.stderr)
@@ -359,7 +229,7 @@ def export_hf(cfg, model, sp, text):
             return ("the exported model or tokenizer does not match this run (see the check "
                     "line above); nothing was written")
         return None
-    write_folder(path, files, check if cfg["check"] else None)
+    write_folder(path, files, check)
     print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
           f"({cfg['dtype']}, {len(files['model.safetensors']) / 1e6:.1f} MB), rope_theta "
           f"{conf['rope_theta']:g}, tokenizer {sp.get_piece_size()} pieces, eos "
@@ -418,6 +288,10 @@ def export_gguf(cfg, model, sp, proto, text):
         if problems:
             return f"cannot write {path}: the file read back differs from what was written: " \
                    f"{problems[0]}"
+        why = reference_check(tmp, gguf.reference_logits, gguf.weights_from_gguf(tmp, model),
+                              "the file")
+        if why:
+            return why
         if cfg["check"] and not gguf.check_with_llama_cpp(tmp, model, sp, text):
             return ("llama.cpp's tokenizer or logits do not match this run (see the check line "
                     "above); nothing was written")

@@ -12,6 +12,7 @@ import torch
 
 import gguf
 
+from lib import neox
 from model import ntk_base
 
 ARCH = "gptneox"
@@ -199,6 +200,39 @@ def weights_from_gguf(path, model):
     copy = type(model)(model.config).eval()
     copy.load_state_dict(state)
     return copy
+
+
+def reference_logits(path, ids):
+    """lib/neox.py's forward of the file as llama.cpp reads it: its metadata (a missing scaling
+    type is llama.cpp's "linear") and its tensors, dequantized; q, k, v at offsets 0, n_embd,
+    2 n_embd of attn_qkv's output."""
+    reader = gguf.GGUFReader(path)
+    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith(ARCH)}
+    key = lambda name, default=None: meta.get(f"{ARCH}.{name}", default)  # noqa: E731
+    kind = key("rope.scaling.type", "linear")
+    factor = key("rope.scaling.factor", 1.0) if kind != "none" else 1.0
+    yarn = (key("rope.scaling.original_context_length", key("context_length")),
+            key("rope.scaling.yarn_beta_fast", 32.0),
+            key("rope.scaling.yarn_beta_slow", 1.0)) if kind == "yarn" else None
+    tensors = {t.name: t for t in reader.tensors}
+    names = {"ln1": "attn_norm", "qkv": "attn_qkv", "out": "attn_output", "ln2": "ffn_norm",
+             "up": "ffn_up", "down": "ffn_down"}
+
+    def W(name):
+        if name in ("embed", "head"):
+            t = tensors["token_embd.weight" if name == "embed" else "output.weight"]
+        elif name.startswith("final_norm."):
+            t = tensors["output_norm." + name.split(".")[1]]
+        else:
+            i, part, which = name.split(".")
+            t = tensors[f"blk.{i}.{names[part]}.{which}"]
+        values = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+        return torch.from_numpy(values.reshape([int(n) for n in t.shape[::-1]]))
+    def rotate(x):
+        return neox.rope(x, key("rope.freq_base"), 1 / factor, yarn, key("rope.dimension_count"))
+    return neox.forward(W, ids, key("block_count"), key("attention.head_count"),
+                        key("attention.layer_norm_epsilon"), rotate, heads_first=False,
+                        parallel=key("use_parallel_residual", False))
 
 
 # --- llama.cpp against our model -----------------------------------------------------------

@@ -265,10 +265,34 @@ def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
                                            ({"pos_encoding": "learned"}, "GPT-2")])
 def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
-    out = save_run(tmp_path / "out", run["ckpt"], args, RoFormer(RoFormerConfig(**args)).state_dict())
+    model = RoFormer(RoFormerConfig(**args))
+    why = export.refusal(model, "hf")
+    assert why and reason in why, refused_wrongly("hf", reason, why)
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
     msg = err(f"--out_dir={out}", "--check=False")
-    assert reason in msg and "cannot export" in msg
+    assert reason in msg and "cannot export" in msg, refused_wrongly("hf", reason, msg)
     assert not os.path.exists(tmp_path / "out" / "hf")
+
+
+@pytest.mark.parametrize("change", [{"pos_encoding": "none"}, {"attention": "linear"}])
+def test_a_wrongly_allow_listed_change_is_refused_without_transformers(run, tmp_path, monkeypatch,
+                                                                       change):
+    """Issue 37: a configuration GPT-NeoX cannot express, let through by a wrong allow-list
+    entry, with nothing to load the folder (--check=False, no transformers): lib/neox.py's
+    reference computes the folder as written and disagrees; one line, nothing left."""
+    monkeypatch.setattr(export, "config_refusal", lambda c, kind: None)  # the wrong entry
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    args = dict(run["ckpt"]["model_args"], **change)
+    torch.manual_seed(3)
+    model = RoFormer(RoFormerConfig(**args))
+    with torch.no_grad():  # sharp attention, so that positions steer the logits
+        for block in model.blocks:
+            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    msg = err(f"--out_dir={out}", "--check=False")
+    assert "lib/neox.py" in msg and "is not this model" in msg
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["ckpt.pt"]
 
 
 def test_any_other_position_encoding_is_refused():
@@ -278,8 +302,28 @@ def test_any_other_position_encoding_is_refused():
         c = copy.copy(model.config)
         c.pos_encoding = pos  # past __post_init__: a value RoFormerConfig may accept one day
         for kind in ("hf", "gguf"):
-            assert "only through RoPE" in export.refusal(SimpleNamespace(config=c), kind)
-    assert export.refusal(model, "hf") is None and export.refusal(model, "gguf") is None
+            why = export.refusal(SimpleNamespace(config=c), kind)
+            named = "only through RoPE"
+            assert why and named in why, refused_wrongly(kind, named, why)
+    for kind in ("hf", "gguf"):
+        why = export.refusal(model, kind)
+        assert why is None, mapped_refused(kind, why)
+
+
+def refused_wrongly(kind, named, why):
+    """The message of a refusal test that failed: what was expected, what came out, and what
+    to do when the cause is a correct new mapping (these tests pin today's refusals)."""
+    if why is None:
+        return (f"expected the {kind} export to refuse this model in one line naming {named!r}; "
+                f"export.refusal returned None, so the model would be exported. This test pins "
+                f"today's refusals: if the {kind} export now maps this change exactly, move the "
+                f"case from this test to the exports' exact-mapping tests and teach lib/neox.py "
+                f"what it computes (docs/HACKING.md, 'A newly mapped option')")
+    return f"expected the {kind} export's refusal to be one line naming {named!r}; got {why!r}"
+
+
+def mapped_refused(kind, why):
+    return f"the plain model, which the {kind} export maps, is refused: {why!r}"
 
 
 TINY = dict(vocab_size=50, block_size=8, n_layer=2, n_head=2, n_embd=16)
@@ -342,13 +386,15 @@ def no_bias_field(model):  # a config that lost a field the exports read
 def test_refusal_maps_what_it_knows_and_names_the_first_thing_it_does_not(change, named):
     """Issue 28: a model.py change (a SwiGLU MLP, QK-norm, partial rotary) exported as if it
     were the plain model. Both exports allow-list the config fields, the state-dict keys and
-    shapes and the modules they map, and name the first other one in one line."""
+    shapes and the modules they map, and name the first other one in one line. These cases pin
+    today's refusals: a correct new mapping moves its case out (refused_wrongly says how)."""
     for kind in ("hf", "gguf"):
         for bias in (False, True):
             model = RoFormer(RoFormerConfig(**TINY, bias=bias))
-            assert export.refusal(model, kind) is None
+            why = export.refusal(model, kind)
+            assert why is None, mapped_refused(kind, why)
             why = export.refusal(change(model), kind)
-            assert why and named in why and "\n" not in why, why
+            assert why and named in why and "\n" not in why, refused_wrongly(kind, named, why)
 
 
 class QKNormRoFormer(RoFormer):

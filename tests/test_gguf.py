@@ -1,9 +1,10 @@
 """
 export.py --gguf against independent references: gguf's own reader (every key and tensor as
-written), sentencepiece's API for the vocabulary, a float64 forward pass written here from
+written), sentencepiece's API for the vocabulary, lib/neox.py's float64 forward written from
 llama.cpp's gptneox graph (how it splits attn_qkv, rotates, normalises) over the file's
-tensors against our model's logits, and, where llama-cpp-python is installed, llama.cpp itself
-(its tokenizer, its logits, its greedy decoding, its bits per byte against eval.py's).
+tensors against our model's logits (and against transformers' model of the same weights),
+and, where llama-cpp-python is installed, llama.cpp itself (its tokenizer, its logits, its
+greedy decoding, its bits per byte against eval.py's).
 """
 import errno
 import json
@@ -30,7 +31,7 @@ from lib import gguf as gguf_export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import BLOCK, corpus_docs, make_run, one_line_error, one_thread  # noqa: E402,F401
-from test_export import save_run, tricky_texts  # noqa: E402
+from test_export import refused_wrongly, save_run, tricky_texts  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TYPES = ("f32", "f16", "q8_0")
@@ -180,64 +181,10 @@ def test_sizes_half_and_about_a_quarter(run, tmp_path):
 
 # --- the file computes our model -------------------------------------------------------------
 
-def layer_norm(x, weight, bias, eps=1e-5):
-    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * weight + bias
-
-
-def neox_rope(x, base, freq_scale=1.0, yarn_ctx=0):
-    """llama.cpp's NEOX rotation (rope type 2): channel i pairs with i + d/2, angle
-    position * freq_scale * base^(-2i/d). With YaRN (ggml's rope_yarn, ext_factor 1, betas
-    32 and 1, n_ctx_orig = yarn_ctx): pair i mixes the interpolated and the original angle by
-    1 - clamp((i - lo) / max(hi - lo, 0.001)), lo/hi the floor/ceil of the correction dims
-    d ln(n_ctx_orig / (2 pi beta)) / (2 ln base) clamped to [0, d - 1], and cos and sin are
-    scaled by 1 + 0.1 ln(1 / freq_scale). x: (T, H, D)."""
-    T, _, D = x.shape
-    theta = base ** (-np.arange(D // 2, dtype=np.float64) * 2 / D)
-    scaled, gain = freq_scale * theta, 1.0
-    if yarn_ctx:
-        def dim(beta):  # ggml_rope_yarn_corr_dim: the pair that turns `beta` times in n_ctx_orig
-            return D * math.log(yarn_ctx / (2 * math.pi * beta)) / (2 * math.log(base))
-        lo, hi = max(0, math.floor(dim(32))), min(D - 1, math.ceil(dim(1)))
-        mix = 1 - np.clip((np.arange(D // 2) - lo) / max(hi - lo, 0.001), 0, 1)
-        scaled, gain = scaled * (1 - mix) + theta * mix, 1 + 0.1 * math.log(1 / freq_scale)
-    angle = (np.arange(T)[:, None] * scaled)[:, None, :]
-    cos, sin = gain * np.cos(angle), gain * np.sin(angle)
-    a, b = x[..., :D // 2], x[..., D // 2:]
-    return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
-
-
 def gptneox_forward(path, ids):
-    """Logits of the file's model, in float64, following llama.cpp's gptneox graph: Q, K, V
-    are the views of attn_qkv's output at offsets 0, n_embd and 2 n_embd, heads of
-    n_embd_head channels each; sequential residual; GELU MLP; tied output."""
-    reader, meta = fields(path)
-    W = lambda name: tensor(reader, name)  # noqa: E731
-    H = meta["gptneox.attention.head_count"]
-    base = meta["gptneox.rope.freq_base"]
-    kind = meta.get("gptneox.rope.scaling.type", "linear")  # llama.cpp's default
-    freq_scale = 1.0 / meta.get("gptneox.rope.scaling.factor", 1.0) if kind != "none" else 1.0
-    yarn_ctx = meta.get("gptneox.rope.scaling.original_context_length",
-                        meta["gptneox.context_length"]) if kind == "yarn" else 0
-    x = W("token_embd.weight")[ids]
-    T, C = x.shape
-    causal = np.triu(np.full((T, T), -np.inf), 1)
-    for i in range(meta["gptneox.block_count"]):
-        b = f"blk.{i}."
-        h = layer_norm(x, W(b + "attn_norm.weight"), W(b + "attn_norm.bias"))
-        qkv = h @ W(b + "attn_qkv.weight").T + W(b + "attn_qkv.bias")
-        q, k, v = (qkv[:, j * C:(j + 1) * C].reshape(T, H, C // H) for j in range(3))
-        q, k = neox_rope(q, base, freq_scale, yarn_ctx), neox_rope(k, base, freq_scale, yarn_ctx)
-        scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(C // H) + causal
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        attn = np.einsum("hts,shd->thd", p, v).reshape(T, C)
-        x = x + attn @ W(b + "attn_output.weight").T + W(b + "attn_output.bias")
-        h = layer_norm(x, W(b + "ffn_norm.weight"), W(b + "ffn_norm.bias"))
-        up = h @ W(b + "ffn_up.weight").T + W(b + "ffn_up.bias")
-        gelu = 0.5 * up * (1 + np.vectorize(math.erf)(up / math.sqrt(2)))
-        x = x + gelu @ W(b + "ffn_down.weight").T + W(b + "ffn_down.bias")
-    x = layer_norm(x, W("output_norm.weight"), W("output_norm.bias"))
-    return x @ W("output.weight").T
+    """The file's logits by lib/neox.py's float64 gptneox forward (checked against transformers
+    in test_reference_of_the_file_is_transformers_model), as numpy."""
+    return gguf_export.reference_logits(path, torch.as_tensor(ids)).numpy()
 
 
 def sharp_run(run, folder, **changes):
@@ -300,11 +247,56 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
                                            ({"pos_encoding": "learned"}, "only through RoPE")])
 def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
-    state = RoFormer(RoFormerConfig(**args)).state_dict()
-    out = save_run(tmp_path / "out", run["ckpt"], args, state)
+    model = RoFormer(RoFormerConfig(**args))
+    why = export.refusal(model, "gguf")
+    assert why and reason in why, refused_wrongly("gguf", reason, why)
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
     msg = err(f"--out_dir={out}", f"--gguf={tmp_path / 'm.gguf'}", "--check=False")
-    assert reason in msg and "cannot export" in msg
+    assert reason in msg and "cannot export" in msg, refused_wrongly("gguf", reason, msg)
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("change", [{"pos_encoding": "none"}, {"attention": "linear"}])
+def test_a_wrongly_allow_listed_change_is_refused_without_llama_cpp(run, tmp_path, monkeypatch,
+                                                                    change):
+    """Issue 37: a configuration the file cannot express, let through by a wrong allow-list
+    entry, was written (rc 0) when llama.cpp was not there to run it. lib/neox.py's reference
+    computes the file as written and disagrees: one line, no file, the previous one kept."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it now raises ImportError
+    monkeypatch.setattr(export, "config_refusal", lambda c, kind: None)  # the wrong entry
+    _, out = sharp_run(run, tmp_path / "out", **change)
+    path = tmp_path / "m.gguf"
+    msg = err(f"--out_dir={out}", f"--gguf={path}")
+    assert "lib/neox.py" in msg and "is not this model" in msg
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    export.main([f"--out_dir={run['out']}", f"--gguf={path}"])  # the plain model passes
+    before = path.read_bytes()
+    assert "is not this model" in err(f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32")
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["m.gguf", "out"]
+
+
+@pytest.mark.parametrize("scaling,factor,original", [
+    ("none", 1.0, 0), ("linear", 2.0, 0), ("ntk", 4.0, 0), ("yarn", 2.0, 0), ("yarn", 4.0, 16)])
+def test_reference_of_the_file_is_transformers_model(run, tmp_path, scaling, factor, original):
+    """lib/neox.py itself, read from either export, against transformers' GPTNeoXForCausalLM
+    loaded from the folder of the same weights: the reference computes what the formats mean."""
+    transformers = pytest.importorskip("transformers", reason="the reference is checked "
+                                       "against transformers' GPTNeoXForCausalLM")
+    from lib import hf as hf_export
+    model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
+                           rope_original=original)
+    path = str(tmp_path / "m.gguf")
+    export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
+    export.main([f"--out_dir={out}", "--check=False"])
+    folder = os.path.join(out, "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    ids = torch.randint(0, model.config.vocab_size, (model.config.context_window,),
+                        generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    for reference in (gguf_export.reference_logits(path, ids),
+                      hf_export.reference_logits(folder, ids)):
+        assert (reference - theirs).abs().max().item() < 1e-6
 
 
 def test_unigram_tokenizer_and_bad_arguments_are_refused(run, tmp_path, monkeypatch):
