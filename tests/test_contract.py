@@ -10,6 +10,7 @@ the deliberately broken variants at the end, which prove each check can fail). T
 use the public API only: RoFormer(cfg), forward(idx, targets) -> (logits, loss), and the
 decoding primitives lib/decode.py drives (new_cache, prefill, the one-token step)."""
 import contextlib
+import dataclasses
 import io
 import inspect
 import json
@@ -106,6 +107,46 @@ def banded(window, calls):
 
 
 # --- the properties ----------------------------------------------------------------------
+
+def observable(cfg, model_factory):
+    """What a model option can change, on seed-0 weights: the parameters' names and shapes,
+    eval logits past the context window (inside it where the model stops there) by a full
+    forward and by the cached path, and a train-mode forward (dropout) under a fixed seed."""
+    model = build(cfg, model_factory)
+    seen = [sorted((n, tuple(p.shape)) for n, p in model.state_dict().items())]
+    idx = tokens(cfg, 2, 2 * cfg.context_window + 7)
+    with torch.no_grad():
+        try:
+            seen += [model(idx)[0], cached_logits(model, idx, 3)]
+        except ValueError:  # a documented refusal past the window (learned positions)
+            idx = idx[:, :cfg.block_size]
+            seen += [model(idx)[0], cached_logits(model, idx, 3)]
+        torch.manual_seed(0)
+        seen += list(model.train()(idx[:, :cfg.block_size], idx[:, :cfg.block_size]))
+    return seen
+
+
+def check_options_act(cfg, overrides, model_factory=RoFormer):
+    """Each --model KEY=VALUE changes the model: its parameters, or one of the outputs
+    `observable` compares bit for bit (an option that only reorders float sums acts)."""
+    from conftest import CONTRACT_BASE
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    want = observable(cfg, model_factory)
+    for key, value in overrides.items():
+        without = CONTRACT_BASE.get(key, defaults[key])
+        if value == without:
+            continue  # the base's own value: nothing to act
+        try:
+            other = dataclasses.replace(cfg, **{key: without})
+        except ValueError:  # the other options need it: it is not inert on its own
+            continue
+        got = observable(other, model_factory)
+        same = got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
+        assert not same, (f"inert option: --model {key}={value!r} changes nothing at the "
+                          f"check's size ({cfg.n_layer} layers, context window "
+                          f"{cfg.context_window}): the same parameters and logits as "
+                          f"{key}={without!r}, so the other checks never exercise it")
+
 
 @torch.no_grad()
 def check_causality(cfg, model_factory=RoFormer):
@@ -397,6 +438,12 @@ def export_gguf(model, model_factory, folder, idx):
 
 # --- the contract on the configuration under test (tests/conftest.py: --model) -------------
 
+def test_every_model_option_changes_the_model(pytestconfig, contract_cfg):
+    if pytestconfig.contract_cfg is None:
+        pytest.skip("inert option: no --model option given")
+    check_options_act(contract_cfg, pytestconfig.contract_overrides)
+
+
 def test_causality(contract_cfg):
     check_causality(contract_cfg)
 
@@ -517,3 +564,32 @@ def test_a_broken_decoder_fails_the_check_that_names_its_bug(broken, check, prop
     with pytest.raises(AssertionError) as failure:
         check(cfg, broken)
     assert str(failure.value).startswith(prop + ":"), failure.value
+
+
+@dataclasses.dataclass
+class EveryConfig(model_module.RoFormerConfig):
+    nope_every: int = 0  # test-only: the every-k-th-layer option issue 37's trial added
+
+
+class NoPEEvery(RoFormer):
+    """nope_every=k done right: layers k-1, 2k-1, .. attend without RoPE (a tiny model too
+    shallow for k builds none: RoFormer itself, which ignores the field, is that model)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        for i, block in enumerate(self.blocks):
+            if cfg.nope_every and (i + 1) % cfg.nope_every == 0:
+                block.attn.register_forward_pre_hook(
+                    lambda mod, args: (args[0], args[1]._replace(rope=None), *args[2:]))
+
+
+@pytest.mark.parametrize("every", [4, 6])
+def test_an_every_k_th_layer_option_acts_and_an_inert_one_is_named(every):
+    from conftest import contract_overrides
+    with mock.patch.object(model_module, "RoFormerConfig", EveryConfig):
+        overrides, cfg = contract_overrides([f"nope_every={every}"])
+    check_options_act(cfg, overrides, NoPEEvery)  # the check's model is deep enough for it
+    with pytest.raises(AssertionError) as failure:
+        check_options_act(cfg, overrides, RoFormer)  # builds no NoPE layer at any depth
+    assert str(failure.value).startswith(f"inert option: --model nope_every={every} "), \
+        failure.value
