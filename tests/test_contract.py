@@ -149,6 +149,26 @@ def check_options_act(cfg, overrides, model_factory=RoFormer):
 
 
 @torch.no_grad()
+def check_eval_determinism(cfg, model_factory=RoFormer):
+    """With dropout on (0.5 if the configuration has none), eval mode gives the same logits
+    under any RNG state, full forward and cached path alike, and train mode does not. Checked
+    first: dropout left on in eval otherwise shows up as a causality failure."""
+    cfg = dataclasses.replace(cfg, dropout=cfg.dropout or 0.5)
+    model = build(cfg, model_factory)
+    idx = tokens(cfg, 2, min(cfg.block_size, 20))
+    runs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        runs.append((model.eval()(idx)[0], cached_logits(model, idx, 3), model.train()(idx)[0]))
+    for i, path in enumerate(("full forward", "cached path")):
+        d = max_diff(runs[0][i], runs[1][i])
+        assert d == 0, (f"eval determinism: two eval-mode {path}s with dropout={cfg.dropout} "
+                        f"differ (max |diff| {d:.2e}): dropout is active in eval mode")
+    assert not torch.equal(runs[0][2], runs[1][2]), \
+        f"eval determinism: train mode with dropout={cfg.dropout} is deterministic too (vacuous)"
+
+
+@torch.no_grad()
 def check_causality(cfg, model_factory=RoFormer):
     """Changing token t changes no logit before t (and does change the one at t)."""
     model = build(cfg, model_factory)
@@ -444,6 +464,10 @@ def test_every_model_option_changes_the_model(pytestconfig, contract_cfg):
     check_options_act(contract_cfg, pytestconfig.contract_overrides)
 
 
+def test_eval_mode_is_deterministic(contract_cfg):  # first: see its check
+    check_eval_determinism(contract_cfg)
+
+
 def test_causality(contract_cfg):
     check_causality(contract_cfg)
 
@@ -504,6 +528,18 @@ class LookAheadMask(RoFormer):
             return super().forward(*args, **kw)
 
 
+class DropoutInEval(RoFormer):
+    """SDPA's dropout_p=cfg.dropout without `if self.training`: attention dropout in eval."""
+
+    def forward(self, *args, **kw):
+        p = self.config.dropout
+
+        def always(real):
+            return lambda *a, dropout_p=0.0, **k: real(*a, dropout_p=p, **k)
+        with wrapped_sdpa(always):
+            return super().forward(*args, **kw)
+
+
 class CacheSkipsKeyRope(RoFormer):
     """Cached forwards rotate the queries but store (and attend to) unrotated keys."""
 
@@ -545,6 +581,7 @@ class PartialRotaryLinear(RoFormer):
 
 
 @pytest.mark.parametrize("broken,check,prop,on", [
+    (DropoutInEval, check_eval_determinism, "eval determinism", []),
     (LookAheadMask, check_causality, "causality", []),
     (LookAheadMask, check_cached_decoding, "cached decoding", []),
     (CacheSkipsKeyRope, check_cached_decoding, "cached decoding", []),
