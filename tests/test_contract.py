@@ -31,6 +31,11 @@ import model as model_module  # noqa: E402
 from model import RoFormer  # noqa: E402
 
 TOL = 1e-6  # on float64 logits of order 1: a real difference is orders of magnitude larger
+# bf16 against float32, as a fraction of the float32 scale (max |logit|, the gradient's norm):
+# bf16 keeps 8 significant bits (2^-9 relative per rounding), and a logit passes a few dozen
+# roundings whose errors add like a random walk, a few per cent at most (docs/HACKING.md);
+# a bug (an angle or a sum in bf16, a dtype branch) is off by order one
+BF16_TOL = 0.1
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -248,6 +253,41 @@ def check_compiled_decoding(cfg, model_factory=RoFormer):
     differ = (got != want).any(0).nonzero()
     assert differ.numel() == 0, (f"compiled decoding: the compiled step's greedy token at "
                                  f"position {differ[0].item()} differs from eager's")
+
+
+def float32_and_bf16(model, idx, start):
+    """[(logits, loss, flat gradient)] of one forward and backward in float32, then under
+    CPU bf16 autocast (train.py's dtype on a CPU with native bf16)."""
+    out = []
+    for bf16 in (False, True):
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            logits, loss = model(idx[:, :-1], idx[:, 1:], start_pos=start)
+        loss.backward()
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        out.append((logits.float(), loss.float(), torch.cat(grads)))
+    return out
+
+
+def check_bf16_autocast(cfg, model_factory=RoFormer):
+    """Under bf16 autocast a forward and backward stay finite and within BF16_TOL of float32,
+    at positions from 0 and from 1000 (where bf16 cannot hold a position: 1001 rounds to
+    1000) for a model that runs there."""
+    model = build(dataclasses.replace(cfg, dropout=0.0), model_factory, dtype=torch.float32)
+    idx = tokens(cfg, 2, cfg.block_size + 1)
+    for start in (0, 1000):
+        try:
+            (logits, _, grad), (low, loss, low_grad) = float32_and_bf16(model, idx, start)
+        except ValueError:  # a documented refusal past the window (learned positions)
+            continue
+        for what, ref, got, scale in (("logits", logits, low, logits.abs().max()),
+                                      ("gradient", grad, low_grad, grad.norm())):
+            assert loss.isfinite() and got.isfinite().all(), \
+                f"bf16 autocast: the {what} at positions from {start} are not finite"
+            err = ((got - ref).abs().max() if what == "logits" else (got - ref).norm()) / scale
+            assert err <= BF16_TOL, (f"bf16 autocast: the {what} at positions from {start} "
+                                     f"differ from float32 by {err:.0%} of their scale, more "
+                                     f"than the {BF16_TOL:.0%} bf16 rounding explains")
 
 
 @torch.no_grad()
@@ -493,6 +533,10 @@ def test_every_parameter_gets_a_finite_gradient(contract_cfg):
     check_gradients(contract_cfg)
 
 
+def test_bf16_autocast_stays_close_to_float32(contract_cfg):
+    check_bf16_autocast(contract_cfg)
+
+
 def test_state_dict_round_trip(contract_cfg):
     check_round_trip(contract_cfg)
 
@@ -540,6 +584,20 @@ class DropoutInEval(RoFormer):
             return super().forward(*args, **kw)
 
 
+class LowPrecisionAngles(RoFormer):
+    """RoPE angles from positions held in the activations' dtype (docs: PITFALLS, low-precision
+    angles): exact in float32 and float64, position 1001 becomes 1000 under bf16 autocast."""
+
+    def forward(self, idx, targets=None, cache=None, start_pos=0):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else \
+            self.wte.weight.dtype
+        real = model_module.rope_table
+        self.rope_cos, self.table_start = torch.empty(0), 0  # rebuilt in this forward's dtype
+        with mock.patch.object(model_module, "rope_table", lambda pos, *a: real(
+                pos.to(dtype).double(), *a)):
+            return super().forward(idx, targets, cache, start_pos)
+
+
 class CacheSkipsKeyRope(RoFormer):
     """Cached forwards rotate the queries but store (and attend to) unrotated keys."""
 
@@ -582,6 +640,7 @@ class PartialRotaryLinear(RoFormer):
 
 @pytest.mark.parametrize("broken,check,prop,on", [
     (DropoutInEval, check_eval_determinism, "eval determinism", []),
+    (LowPrecisionAngles, check_bf16_autocast, "bf16 autocast", []),
     (LookAheadMask, check_causality, "causality", []),
     (LookAheadMask, check_cached_decoding, "cached decoding", []),
     (CacheSkipsKeyRope, check_cached_decoding, "cached decoding", []),
