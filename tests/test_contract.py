@@ -290,6 +290,37 @@ def check_bf16_autocast(cfg, model_factory=RoFormer):
                                      f"than the {BF16_TOL:.0%} bf16 rounding explains")
 
 
+def loss_and_gradients(model, idx):
+    model.zero_grad()
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    return [loss] + [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def check_compiled_training_step(cfg, model_factory=RoFormer):
+    """One torch.compile'd training step (train mode, no dropout: its RNG differs when
+    compiled) gives eager's loss and gradients. Backend aot_eager: dynamo and AOTAutograd
+    trace the forward and its backward (the joint graph, where compiled training differs
+    from the compiled decoding step) and run them with eager's kernels, so float64 results
+    match to TOL; inductor's code generation, many times slower to compile, is exercised by
+    the compiled decoding check."""
+    model = build(dataclasses.replace(cfg, dropout=0.0), model_factory).train()
+    idx = tokens(cfg, 2, cfg.block_size + 1)
+    want = loss_and_gradients(model, idx)
+    torch._dynamo.reset()
+    try:
+        got = loss_and_gradients(torch.compile(model, backend="aot_eager"), idx)
+    except Exception as e:  # dynamo's and AOTAutograd's errors have no common base
+        raise AssertionError(f"compiled training step: torch.compile failed: "
+                             f"{str(e).strip().splitlines()[0]}") from None
+    names = ["the loss"] + [f"{n}'s gradient" for n, p in model.named_parameters()
+                            if p.grad is not None]
+    for name, a, b in zip(names, want, got):
+        d = max_diff(a, b) / max(a.abs().max().item(), 1e-30)
+        assert d <= TOL, (f"compiled training step: {name} differs from eager's by {d:.2e} "
+                          f"of its scale")
+
+
 @torch.no_grad()
 def check_batch_independence(cfg, model_factory=RoFormer):
     """Row i of a batch gets the logits row i gets alone."""
@@ -537,6 +568,11 @@ def test_bf16_autocast_stays_close_to_float32(contract_cfg):
     check_bf16_autocast(contract_cfg)
 
 
+@pytest.mark.slow
+def test_compiled_training_step_equals_eager(contract_cfg):
+    check_compiled_training_step(contract_cfg)
+
+
 def test_state_dict_round_trip(contract_cfg):
     check_round_trip(contract_cfg)
 
@@ -598,6 +634,17 @@ class LowPrecisionAngles(RoFormer):
             return super().forward(idx, targets, cache, start_pos)
 
 
+class CompiledPathDetaches(RoFormer):
+    """A path taken only under torch.compile (a fused kernel, say) whose backward is lost:
+    each attention output is detached, so the loss is right and its gradients are not."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        for block in self.blocks:
+            block.attn.register_forward_hook(lambda mod, inp, out: out.detach() if
+                                             torch.compiler.is_compiling() else out)
+
+
 class CacheSkipsKeyRope(RoFormer):
     """Cached forwards rotate the queries but store (and attend to) unrotated keys."""
 
@@ -641,6 +688,7 @@ class PartialRotaryLinear(RoFormer):
 @pytest.mark.parametrize("broken,check,prop,on", [
     (DropoutInEval, check_eval_determinism, "eval determinism", []),
     (LowPrecisionAngles, check_bf16_autocast, "bf16 autocast", []),
+    (CompiledPathDetaches, check_compiled_training_step, "compiled training step", []),
     (LookAheadMask, check_causality, "causality", []),
     (LookAheadMask, check_cached_decoding, "cached decoding", []),
     (CacheSkipsKeyRope, check_cached_decoding, "cached decoding", []),
