@@ -14,6 +14,7 @@ import dataclasses
 import io
 import inspect
 import json
+import math
 import os
 import pickle
 import shutil
@@ -36,6 +37,9 @@ TOL = 1e-6  # on float64 logits of order 1: a real difference is orders of magni
 # roundings whose errors add like a random walk, a few per cent at most (docs/HACKING.md);
 # a bug (an angle or a sum in bf16, a dtype branch) is off by order one
 BF16_TOL = 0.1
+# shifted positions read other rows of RoPE's float32 tables (model.py: cos and sin rounded to
+# 2^-24): the logits move by float32 rounding carried through the layers, far below a bug's
+SHIFT_TOL = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -190,6 +194,48 @@ def check_causality(cfg, model_factory=RoFormer):
                               f"changed (max |diff| {d:.2e})")
         assert max_diff(out[:, t], base[:, t]) > TOL, \
             f"causality: changing token {t} left its own logit unchanged (vacuous check)"
+
+
+def absolute_positions(cfg):
+    """Why logits may depend on absolute positions, None if only on distances. A new option
+    that makes them depend on absolute position by design adds itself here."""
+    if cfg.pos_encoding in ("learned", "sinusoidal"):
+        return f"pos_encoding={cfg.pos_encoding!r} encodes absolute positions"
+    return None
+
+
+@torch.no_grad()
+def check_shift_invariance(cfg, model_factory=RoFormer):
+    """Relative encodings (RoPE, shaw, t5, alibi, none): the same tokens at positions shifted
+    by a constant give the same logits (a value rotated by its position breaks this). A
+    wrong constant attention scale keeps it, and every other property here: it is a
+    reparametrisation of the query weights, caught only against a reference (test_model.py's
+    float64 forward, the exports)."""
+    if absolute_positions(cfg):
+        pytest.skip(f"shift invariance: {absolute_positions(cfg)}")
+    model = build(cfg, model_factory)
+    idx = tokens(cfg, 2, min(cfg.block_size, 20))
+    base = model(idx)[0]
+    for shift in (1, 1000):
+        d = max_diff(model(idx, start_pos=shift)[0], base)
+        assert d <= SHIFT_TOL, (f"shift invariance: the logits changed when every position moved by "
+                          f"{shift} (max |diff| {d:.2e}), though a relative encoding sees only "
+                          f"distances")
+
+
+@torch.no_grad()
+def check_prefix(cfg, model_factory=RoFormer):
+    """A forward over the first t tokens gives the first t logits of the longer forward: no
+    position's output depends on how many tokens follow (a scale or temperature taken from
+    the forward's length breaks this)."""
+    model = build(cfg, model_factory)
+    T = min(cfg.block_size, 20)
+    idx = tokens(cfg, 2, T)
+    base = model(idx)[0]
+    for t in sorted({1, 2, T // 2, T - 1}):
+        d = max_diff(model(idx[:, :t])[0], base[:, :t])
+        assert d <= TOL, (f"prefix: the logits of the first {t} tokens alone differ from "
+                          f"those in a {T}-token forward (max |diff| {d:.2e})")
 
 
 @torch.no_grad()
@@ -543,6 +589,14 @@ def test_causality(contract_cfg):
     check_causality(contract_cfg)
 
 
+def test_a_prefix_gives_the_same_logits(contract_cfg):
+    check_prefix(contract_cfg)
+
+
+def test_shifting_every_position_changes_no_logit(contract_cfg):
+    check_shift_invariance(contract_cfg)
+
+
 def test_cached_decoding_equals_full_forward(contract_cfg):
     check_cached_decoding(contract_cfg)
 
@@ -645,6 +699,30 @@ class CompiledPathDetaches(RoFormer):
                                              torch.compiler.is_compiling() else out)
 
 
+class RotatedValues(RoFormer):
+    """RoPE applied to the values too (before the cache, so every path agrees): outputs then
+    depend on absolute positions."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        for block in self.blocks:
+            block.attn.softmax = (lambda attn: lambda qkv, positions, cache: type(attn).softmax(
+                attn, torch.cat((qkv[:2], model_module.apply_rope(qkv[2:], *positions.rope)))
+                if positions.rope else qkv, positions, cache))(block.attn)
+
+
+class ScaleFromLength(RoFormer):
+    """A length temperature taken from the forward's number of keys instead of each query's
+    position: the scale changes with how many tokens follow."""
+
+    def forward(self, *args, **kw):
+        def wrap(real):
+            return lambda q, k, v, **kw: real(q, k, v, scale=math.log(k.size(-2) + 1) / math.sqrt(
+                q.size(-1)), **kw)
+        with wrapped_sdpa(wrap):
+            return super().forward(*args, **kw)
+
+
 class CacheSkipsKeyRope(RoFormer):
     """Cached forwards rotate the queries but store (and attend to) unrotated keys."""
 
@@ -689,6 +767,8 @@ class PartialRotaryLinear(RoFormer):
     (DropoutInEval, check_eval_determinism, "eval determinism", []),
     (LowPrecisionAngles, check_bf16_autocast, "bf16 autocast", []),
     (CompiledPathDetaches, check_compiled_training_step, "compiled training step", []),
+    (RotatedValues, check_shift_invariance, "shift invariance", []),
+    (ScaleFromLength, check_prefix, "prefix", []),
     (LookAheadMask, check_causality, "causality", []),
     (LookAheadMask, check_cached_decoding, "cached decoding", []),
     (CacheSkipsKeyRope, check_cached_decoding, "cached decoding", []),
