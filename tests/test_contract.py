@@ -4,7 +4,8 @@ architecture instead). Run it on any configuration:
 
     python -m pytest -q tests/test_contract.py --model mlp=swiglu --model qk_norm=True
 
-Each property is a plain function check_<property>(cfg, model_factory) that raises
+Each property is a plain function check_<property>(cfg, model_factory) (check_options_act
+also takes the --model overrides) that raises
 AssertionError naming the property; model_factory(cfg) builds the model (RoFormer, or one of
 the deliberately broken variants at the end, which prove each check can fail). The checks
 use the public API only: RoFormer(cfg), forward(idx, targets) -> (logits, loss), and the
