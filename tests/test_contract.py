@@ -162,8 +162,9 @@ def check_options_act(cfg, overrides, model_factory=RoFormer):
         got = observable(other, model_factory)
         same = got[0] == want[0] and all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
         assert not same, (f"inert option: --model {key}={value!r} changes nothing at the "
-                          f"check's size ({cfg.n_layer} layers, {windows(cfg)}): the same parameters and logits as "
-                          f"{key}={without!r}, so the other checks never exercise it")
+                          f"check's size ({cfg.n_layer} layers, {windows(cfg)}): the same "
+                          f"parameters and logits as {key}={without!r}, so the other checks "
+                          f"never exercise it")
 
 
 @torch.no_grad()
@@ -227,9 +228,9 @@ def check_shift_invariance(cfg, model_factory=RoFormer):
     base = model(idx)[0]
     for shift in (1, 1000):
         d = max_diff(model(idx, start_pos=shift)[0], base)
-        assert d <= SHIFT_TOL, (f"shift invariance: the logits changed when every position moved by "
-                          f"{shift} (max |diff| {d:.2e}), though a relative encoding sees only "
-                          f"distances")
+        assert d <= SHIFT_TOL, (f"shift invariance: the logits changed when every position "
+                                f"moved by {shift} (max |diff| {d:.2e}), though a relative "
+                                f"encoding sees only distances")
 
 
 @torch.no_grad()
@@ -249,7 +250,8 @@ def check_prefix(cfg, model_factory=RoFormer):
 
 @torch.no_grad()
 def check_cached_decoding(cfg, model_factory=RoFormer):
-    """Inside the context window: prefill + one-token cached steps give the full forward's logits."""
+    """Inside the context window: prefill + one-token cached steps give the full forward's
+    logits."""
     model = build(cfg, model_factory)
     T = min(cfg.context_window, 20)
     idx = tokens(cfg, 2, T)
