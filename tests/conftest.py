@@ -9,9 +9,18 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# the tiny model every contract check builds; --model overrides any of these
-CONTRACT_BASE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
+# the tiny model every contract check builds; --model overrides any of these. 4 layers: an
+# option that acts on every k-th layer (k = 2, 3, 4) builds both kinds of layer
+CONTRACT_BASE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32,
                      linear_chunk=4)
+
+
+def deep_enough(overrides):
+    """n_layer for the check's model: k + 1 layers for any `*_every=k` option, so whether the
+    option counts layers from 0 (0, k, ..) or from 1 (k-1, 2k-1, ..) it selects a layer and
+    leaves one; an n_layer given with --model is kept (and an inert option then shows)."""
+    every = [v for k, v in overrides.items() if k.endswith("_every") and isinstance(v, int)]
+    return max([CONTRACT_BASE["n_layer"]] + [k + 1 for k in every])
 
 
 def pytest_addoption(parser):
@@ -34,7 +43,8 @@ def contract_overrides(values):
         raise pytest.UsageError(f"--model: {e}{fields}") from None
     overrides = {k: typed[k] for k in (v.partition("=")[0] for v in values)}
     try:
-        cfg = RoFormerConfig(**{**CONTRACT_BASE, **overrides})
+        cfg = RoFormerConfig(**{**CONTRACT_BASE, "n_layer": deep_enough(overrides),
+                                 **overrides})
     except (TypeError, ValueError) as e:
         raise pytest.UsageError(f"--model: not a valid configuration: {e}") from None
     return overrides, cfg
