@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
-decoding caches (driven by sample.py); 5. the transformer, whose position hooks reach the
-ablation baselines in lib/baselines.py, imported only when pos_encoding is not "rope"."""
+decoding caches (driven by lib/decode.py); 5. the transformer, whose position hooks reach the
+ablation baselines in baselines.py beside it."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -10,6 +10,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import baselines
 
 RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
 
@@ -65,7 +67,7 @@ def check_config(cfg):
         raise ValueError(f"pos_encoding={cfg.pos_encoding!r} biases the attention scores, "
                          "which linear attention never forms: use attention='softmax'")
     if not rope:  # a baseline's own settings, checked where the baselines live
-        baselines().check(cfg)
+        baselines.check(cfg)
     for wrong, why in [
         (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
         (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
@@ -87,11 +89,6 @@ def check_config(cfg):
         raise ValueError(f"rope_factor={cfg.rope_factor:g} is too large: a window of "
                          f"{window:.3g} positions (rope_original x rope_factor) cannot be "
                          f"computed exactly")
-
-
-def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
-    from lib import baselines as module
-    return module
 
 
 @torch.no_grad()
@@ -253,9 +250,9 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.rel_k = None  # shaw's table in this layer (lib/baselines.py's add_tables)
+        self.rel_k = None  # shaw's table in this layer (baselines.add_tables)
         if cfg.pos_encoding != "rope":
-            baselines().add_tables(self, cfg, "attention")
+            baselines.add_tables(self, cfg, "attention")
 
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
@@ -317,7 +314,7 @@ class RoFormer(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
         if cfg.pos_encoding != "rope":
-            baselines().add_tables(self, cfg, "model")
+            baselines.add_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -352,7 +349,7 @@ class RoFormer(nn.Module):
             return dict(zip(("rope_cos", "rope_sin"), rope_table(
                 pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor,
                 c.original_context)))
-        return {"sin_emb": baselines().sinusoidal_embedding(pos, c.n_embd)}
+        return {"sin_emb": baselines.sinusoidal_embedding(pos, c.n_embd)}
 
     def pos_tables(self, n, device):
         """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
@@ -385,10 +382,10 @@ class RoFormer(nn.Module):
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
         rope = self.config.pos_encoding == "rope"
-        return None if rope else baselines().position_embedding(self, pos, index)
+        return None if rope else baselines.position_embedding(self, pos, index)
 
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
-        return baselines().position_bias(self, d, visible)
+        return baselines.position_bias(self, d, visible)
 
     def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
         c, w = self.config, self.config.context_window

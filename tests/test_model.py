@@ -622,7 +622,7 @@ def test_sinusoidal_table_has_the_embeddings_init_scale():
     """The baseline's fixed table must not drown the token embeddings (init std 0.02)."""
     m = tiny(pos_encoding="sinusoidal", n_embd=64, block_size=512)
     table = m(torch.zeros(1, 512, dtype=torch.long))[0]  # exercises the forward path too
-    from lib.baselines import sinusoidal_embedding
+    from baselines import sinusoidal_embedding
     rms = sinusoidal_embedding(torch.arange(512), 64).pow(2).mean().sqrt().item()
     tok = m.wte.weight.pow(2).mean().sqrt().item()
     assert table.isfinite().all() and 0.5 < rms / tok < 2.0
@@ -633,7 +633,7 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
     with it. Rebuilding it inside forward meant a float64 CPU computation and a host-to-device
     copy on every GPU step, and a break in the compiled graph. The cached table still equals
     the formula (reference_forward writes it out), also once decoding grows it."""
-    import lib.baselines as B
+    import baselines as B
     m = tiny(pos_encoding="sinusoidal")
     built = []
     real = B.sinusoidal_embedding

@@ -1,10 +1,10 @@
 """The position-encoding baselines RoPE is measured against (pos_encoding "learned",
-"sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"). model.py imports this
-module only when pos_encoding is not "rope": RoFormerConfig calls check, and the model reaches
-it through three hooks: add_tables (construction: the learned tables, registered where
-checkpoints have always had them), position_embedding (added to the token embeddings) and
-position_bias (added to the attention scores). Otherwise the model runs the same code path, so
-comparisons are fair."""
+"sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"), beside model.py at the
+bottom of the layering: it imports nothing of the project. RoFormerConfig calls check when
+pos_encoding is not "rope", and the model reaches it through three hooks: add_tables
+(construction: the learned tables, registered where checkpoints have always had them),
+position_embedding (added to the token embeddings) and position_bias (added to the attention
+scores). Otherwise the model runs the same code path, so comparisons are fair."""
 import math
 
 import torch
