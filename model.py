@@ -46,6 +46,14 @@ class RoFormerConfig:
     def context_window(self):  # what a query sees when decoding or scoring
         return max(self.block_size, int(self.original_context * self.rope_factor))
 
+    @property
+    def max_positions(self):  # the longest input the model can run; None: no end
+        return self.block_size if self.pos_encoding == "learned" else None
+
+    def positions_error(self, n):  # the one line saying why n positions cannot run, else None
+        if self.max_positions is not None and n > self.max_positions:
+            return f"learned positions end at block_size={self.block_size}: {n} positions cannot run"
+
     def __post_init__(self):
         check_config(self)  # below, so that the fields read first
 
@@ -354,9 +362,8 @@ class RoFormer(nn.Module):
     def pos_tables(self, n, device):
         """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
         geometrically, only if short (or slid past 0 by slide_tables)."""
-        if self.wpe is not None and n > self.wpe.num_embeddings:  # the one table that cannot grow
-            raise ValueError(f"learned positions end at block_size={self.wpe.num_embeddings}; "
-                             f"cannot run position {n - 1} (use use_cache=False to crop)")
+        if why := self.config.positions_error(n):  # the one table that cannot grow
+            raise ValueError(f"{why} (use_cache=False crops)")
         have = self.fixed_table()
         if have is None or (have.size(0) >= n and self.table_start == 0):
             return  # the other encodings have no fixed table
