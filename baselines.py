@@ -51,10 +51,10 @@ def sinusoidal_embedding(pos, dim):
 
 def position_embedding(model, pos, index):
     """Position hook 1 of 2 (RoFormer.position_embedding): learned rows of model.wpe, or the
-    sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.pos_tables builds with
+    sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.hold_positions builds with
     sinusoidal_embedding and grows), at positions pos (index: their table rows); None for the
     encodings that add nothing. Learned positions past block_size are refused before any layer
-    runs (RoFormer.pos_tables)."""
+    runs (RoFormer.hold_positions)."""
     c = model.config
     if c.pos_encoding == "learned":
         return model.wpe(pos)

@@ -52,7 +52,8 @@ class RoFormerConfig:
 
     def positions_error(self, n):  # the one line saying why n positions cannot run, else None
         if self.max_positions is not None and n > self.max_positions:
-            return f"learned positions end at block_size={self.block_size}: {n} positions cannot run"
+            return (f"learned positions end at block_size={self.block_size}: position {n - 1} "
+                    f"cannot run")
 
     def __post_init__(self):
         check_config(self)  # below, so that the fields read first
@@ -331,8 +332,8 @@ class RoFormer(nn.Module):
         # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
         for name in ("rope_cos", "rope_sin", "sin_emb"):
             self.register_buffer(name, torch.empty(0), persistent=False)
-        self.table_start = 0  # the tables hold positions table_start.. (slide_tables)
-        self.pos_tables(cfg.block_size, "cpu")  # not the window: a forward grows them
+        self.table_start = 0  # the tables hold positions table_start.. (hold_positions)
+        self.hold_positions(0, cfg.block_size, "cpu")  # not the window: a forward grows them
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
@@ -350,42 +351,38 @@ class RoFormer(nn.Module):
     def fixed_table(self):  # the table whose length the others share, None if no table
         return {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(self.config.pos_encoding)
 
-    def table_rows(self, pos):
-        """{buffer name: its float32 rows at positions pos}, on the CPU."""
-        c = self.config
+    def hold_positions(self, start, n, device=None):
+        """Make the fixed tables hold positions start..start+n-1, position p in row p % L of
+        their L rows. Up to L positions: rows past those held are written over the same buffers
+        in place (same shape and address: a compiled step, CUDA graphs included, neither
+        recompiles nor grows, and memory stays L rows however long decoding runs); more: the
+        tables are rebuilt, at least twice as long (geometric growth)."""
+        have, c = self.fixed_table(), self.config
+        if why := c.positions_error(start + n):  # the one table that cannot grow (wpe)
+            raise ValueError(f"{why} (use_cache=False crops)")
+        if have is None or self.table_start <= start and start + n <= self.table_start + len(have):
+            return  # held already, or no fixed table (the other encodings)
+        size = len(have) if n <= len(have) else max(n, 2 * len(have))
+        pos = torch.arange(start, start + size, device="cpu")  # cpu: also under device("meta")
         if c.pos_encoding == "rope":
-            return dict(zip(("rope_cos", "rope_sin"), rope_table(
+            tables = dict(zip(("rope_cos", "rope_sin"), rope_table(
                 pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor,
                 c.original_context)))
-        return {"sin_emb": baselines.sinusoidal_embedding(pos, c.n_embd)}
+        else:
+            tables = {"sin_emb": baselines.sinusoidal_embedding(pos, c.n_embd)}
+        for name, rows in tables.items():
+            rows = rows.roll(start % size, 0)  # row i, position start + i, to row p % size
+            if size == len(have):
+                getattr(self, name).copy_(rows)
+            else:
+                setattr(self, name, rows.to(device or have.device))
+        self.table_start = start
 
-    def pos_tables(self, n, device):
-        """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
-        geometrically, only if short (or slid past 0 by slide_tables)."""
-        if why := self.config.positions_error(n):  # the one table that cannot grow
-            raise ValueError(f"{why} (use_cache=False crops)")
-        have = self.fixed_table()
-        if have is None or (have.size(0) >= n and self.table_start == 0):
-            return  # the other encodings have no fixed table
-        size = have.size(0) if have.size(0) >= n else max(n, self.config.block_size,
-                                                           2 * have.size(0))
-        for name, rows in self.table_rows(torch.arange(size, device="cpu")).items():
-            setattr(self, name, rows.to(device))
-        self.table_start = 0
+    def pos_tables(self, n, device):  # positions 0..n-1 (the tests, bench/decode.py)
+        self.hold_positions(0, n, device)
 
-    def slide_tables(self, p):
-        """Make the tables hold position p for the one-token step, which reads slot p % L of
-        an L-row table. Past the rows held, the next L positions are written over the same
-        buffers in place: the same shape and address (a compiled step, CUDA graphs included,
-        neither recompiles nor grows), and memory stays L rows however long decoding runs."""
-        have = self.fixed_table()
-        if have is None or self.table_start <= p < self.table_start + have.size(0):
-            return
-        pos = torch.arange(p, p + have.size(0), device="cpu")  # cpu: as rope_table computes
-        slots = (pos % have.size(0)).to(have.device)
-        for name, rows in self.table_rows(pos).items():
-            getattr(self, name).index_copy_(0, slots, rows.to(have.device))
-        self.table_start = p
+    def slide_tables(self, p):  # position p, for lib/decode.py's one-token step
+        self.hold_positions(p, 1)
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
         rope = self.config.pos_encoding == "rope"
@@ -403,10 +400,10 @@ class RoFormer(nn.Module):
         """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
         idx holds positions start_pos.. (with a cache, after the cached ones). start_pos: an
         int, or a (1,) tensor as in the static compiled step (one graph for every position),
-        whose table rows must then be held (pos_tables, or slide_tables as lib/decode.py calls)."""
+        whose table rows must then be held (hold_positions, as lib/decode.py's slide_tables)."""
         c, T = self.config, idx.size(1)
-        if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables grow to it
-            self.pos_tables(start_pos + T, idx.device)
+        if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables hold it
+            self.hold_positions(start_pos, T, idx.device)
         pos = torch.arange(T, device=idx.device) + start_pos  # the tokens' absolute positions
         table = self.fixed_table()
         rows = pos if table is None else pos % table.size(0)  # slot p % L holds position p
