@@ -12,8 +12,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import baselines
+from baselines import RELATIVE  # encodings that bias the attention scores by distance
 
-RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
+
+CHOICES = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
+           "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
+           "rope_scaling": ("none", "linear", "ntk", "yarn")}
 
 
 @dataclass
@@ -60,22 +64,18 @@ class RoFormerConfig:
 
 
 def check_config(cfg):
-    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model."""
+    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model; a
+    baseline's own settings are checked in baselines.check."""
     for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
                  "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < (name != "rope_original"):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
-                          "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-                          "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
+    for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
-    if cfg.attention == "linear" and cfg.pos_encoding in RELATIVE:
-        raise ValueError(f"pos_encoding={cfg.pos_encoding!r} biases the attention scores, "
-                         "which linear attention never forms: use attention='softmax'")
-    if not rope:  # a baseline's own settings, checked where the baselines live
+    if not rope:
         baselines.check(cfg)
     for wrong, why in [
         (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
