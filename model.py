@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
-decoding caches (driven by lib/decode.py); 5. the transformer, whose position hooks reach the
-ablation baselines in baselines.py beside it."""
+transformer, whose position hooks reach the ablation baselines in baselines.py beside it. The
+decoding caches it writes (driven by lib/decode.py) are in caches.py."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import baselines
 from baselines import RELATIVE  # encodings that bias the attention scores by distance
+from caches import KVCache, RecurrentState  # the decoding caches that new_cache makes
 
 
 CHOICES = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
@@ -113,17 +114,14 @@ def init_parameter(name, p, n_layer, generator=None):
         p.normal_(0.0, std, generator=generator)
 
 
-# 2. RoPE. Channel i of a head pairs with channel i + d/2 (GPT-NeoX's "half split"; the paper
-# pairs adjacent channels: the same maths up to a fixed permutation) and turns by m * theta_i.
+# 2. RoPE: channel i of a head pairs with channel i + d/2 and turns by m theta_i (docs/MODEL.md)
 def ntk_base(base, factor, head_dim):  # NTK-aware (also the exports'): the lowest pair s x slower
     return base * factor ** (head_dim / (head_dim - 2))
 
 
 def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original=0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
-    from float64 (a float32 angle is off by 3e-2 rad at m = 1e6). Extension by `factor` s:
-    linear, ntk, or yarn as transformers computes it (`original`: the trained context; the
-    formula: docs/MODEL.md)."""
+    from float64 angles; `scaling` by `factor` from the `original` context: docs/MODEL.md."""
     if scaling == "ntk":
         base = ntk_base(base, factor, head_dim)
     i = torch.arange(head_dim // 2, device="cpu").double()  # cpu: also under device("meta")
@@ -146,10 +144,9 @@ def apply_rope(x, cos, sin):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-# 3. Linear attention, RoFormer eq. 19, causal, rotation in the numerator only (docs/MODEL.md,
-# with the guard: the denominator is at least GUARD x a bound of the numerator, |out| <= max|v|
-# / GUARD; its fold pairs channel i with i + d/2 as apply_rope does). Chunked: a masked product
-# in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
+# 3. Linear attention, RoFormer eq. 19 (docs/MODEL.md): causal, rotation in the numerator only,
+# the denominator at least GUARD x its bound. Chunked: a masked product in each chunk, a running
+# S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
 GUARD = 0.25
 
 
@@ -185,56 +182,7 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
 
 
-# 4. Decoding caches (sample.py gets them from RoFormer.new_cache and passes them in)
-class KVCache:
-    """Per layer the keys and values of `size` positions in preallocated slots used as a ring
-    (position p in slot p % size), and each slot's position (-1: empty). Past the window:
-    sliding-window attention (not crop-and-recompute: deeper keys saw older tokens)."""
-
-    def __init__(self, n_layer, size, window, device):
-        self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
-        self.slot_pos = torch.full((n_layer, size), -1, dtype=torch.long, device=device)
-        self.window = window
-
-    def visible(self, distance, key_pos):  # (queries, keys) bool: causal, inside the window
-        return (key_pos >= 0) & (distance >= 0) & (distance < self.window)
-
-    def update(self, layer, k, v, pos):
-        """Store one layer's new keys and values (positions pos) -> the keys, values, their
-        positions and the (queries, keys) visibility that the layer's queries attend with."""
-        empty = self.keys[layer] is None
-        if empty:  # allocated by the first forward: its batch and dtype
-            shape = (k.size(0), k.size(1), self.slot_pos.size(1), k.size(3))
-            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-        keys, values, slot_pos = self.keys[layer], self.values[layer], self.slot_pos[layer]
-        size, new = slot_pos.numel(), pos.numel()
-        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
-        slots = kept % size
-        # Write first only when nothing a query needs is evicted: one token, or a chunk that
-        # fits an empty cache (known on the host: no read-back); else the queries attend to
-        # the old slots and the whole chunk side by side.
-        if new == 1 or (empty and new <= size):
-            key_pos, seen = slot_pos, (keys, values)  # aliases: read after the writes below
-        else:
-            key_pos, seen = torch.cat((slot_pos, pos)), (torch.cat((keys, k), 2),
-                                                         torch.cat((values, v), 2))
-        slot_pos[slots] = kept
-        keys[:, :, slots], values[:, :, slots] = k[:, :, -size:], v[:, :, -size:]
-        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos)
-
-
-class RecurrentState:
-    """Per layer eq. 19's running (S, z), float32, constant in size; it never forgets."""
-
-    def __init__(self, n_layer):
-        self.state = [None] * n_layer
-
-    def update(self, layer, S, z):  # in place: a compiled (CUDA-graph) step replays addresses
-        old = self.state[layer]
-        self.state[layer] = (S, z) if old is None else (old[0].copy_(S), old[1].copy_(z))
-
-
-# 5. The transformer
+# 4. The transformer
 class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
     pos: torch.Tensor                      # the queries' absolute positions, (T,)
     rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
@@ -352,11 +300,8 @@ class RoFormer(nn.Module):
         return {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(self.config.pos_encoding)
 
     def hold_positions(self, start, n, device=None):
-        """Make the fixed tables hold positions start..start+n-1, position p in row p % L of
-        their L rows. Up to L positions: rows past those held are written over the same buffers
-        in place (same shape and address: a compiled step, CUDA graphs included, neither
-        recompiles nor grows, and memory stays L rows however long decoding runs); more: the
-        tables are rebuilt, at least twice as long (geometric growth)."""
+        """Make the fixed tables hold positions start..start+n-1, position p in row p % L of their
+        L rows: written over in place up to L positions (docs/MODEL.md: why), rebuilt larger past."""
         have, c = self.fixed_table(), self.config
         if why := c.positions_error(start + n):  # the one table that cannot grow (wpe)
             raise ValueError(f"{why} (use_cache=False crops)")
@@ -385,22 +330,20 @@ class RoFormer(nn.Module):
         self.hold_positions(p, 1)
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
-        rope = self.config.pos_encoding == "rope"
-        return None if rope else baselines.position_embedding(self, pos, index)
+        return baselines.position_embedding(self, pos, index)  # None for RoPE
 
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
         return baselines.position_bias(self, d, visible)
 
-    def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
+    def new_cache(self, total_len, device):  # for lib/decode.py, which passes it to forward
         c, w = self.config, self.config.context_window
         return (RecurrentState(c.n_layer) if c.attention == "linear" else
                 KVCache(c.n_layer, min(total_len, w), w, device))
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
-        """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
-        idx holds positions start_pos.. (with a cache, after the cached ones). start_pos: an
-        int, or a (1,) tensor as in the static compiled step (one graph for every position),
-        whose table rows must then be held (hold_positions, as lib/decode.py's slide_tables)."""
+        """idx (B, T) at positions start_pos.. -> logits (B, T, V), and the mean cross-entropy of
+        targets (-1: ignore). start_pos: an int, or a (1,) tensor as in the static compiled step
+        (one graph for every position), whose table rows must be held (slide_tables)."""
         c, T = self.config, idx.size(1)
         if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables hold it
             self.hold_positions(start_pos, T, idx.device)
@@ -421,7 +364,6 @@ class RoFormer(nn.Module):
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
                                        targets.reshape(-1), ignore_index=-1)
 
-    def num_params(self, non_embedding=True):
-        """Parameter count; non_embedding drops the position table (wte is also the head)."""
+    def num_params(self, non_embedding=True):  # non_embedding: less wpe (wte is also the head)
         n = sum(p.numel() for p in self.parameters())
         return n - (self.wpe.weight.numel() if non_embedding and self.wpe is not None else 0)
