@@ -186,8 +186,8 @@ def check_lengths(model, cfg, lengths):
     if cfg["stride"] > min(lengths):
         raise UserError(f"stride {cfg['stride']} is larger than the window {min(lengths)}: "
                         f"tokens would be skipped")
-    if c.pos_encoding == "learned" and max(lengths) + cfg["passkey"] * ANSWER > c.block_size:
-        raise UserError(f"learned positions end at block_size={c.block_size}: no length past it")
+    if why := c.positions_error(max(lengths) + cfg["passkey"] * ANSWER):
+        raise UserError(f"{why}: no length past it")
     if cfg["window_mode"] == "local" and c.attention == "linear":
         raise UserError("window_mode=local bands softmax attention; linear attention keeps "
                         "its whole history in a recurrent state")

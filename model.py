@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
-decoding caches (driven by sample.py); 5. the transformer, whose position hooks reach the
-ablation baselines in lib/baselines.py, imported only when pos_encoding is not "rope"."""
+transformer, whose position hooks reach the ablation baselines in baselines.py beside it. The
+decoding caches it writes (driven by lib/decode.py) are in caches.py."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -11,7 +11,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
+import baselines
+from baselines import RELATIVE  # encodings that bias the attention scores by distance
+from caches import KVCache, RecurrentState  # the decoding caches that new_cache makes
+
+
+CHOICES = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
+           "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
+           "rope_scaling": ("none", "linear", "ntk", "yarn")}
 
 
 @dataclass
@@ -44,28 +51,33 @@ class RoFormerConfig:
     def context_window(self):  # what a query sees when decoding or scoring
         return max(self.block_size, int(self.original_context * self.rope_factor))
 
+    @property
+    def max_positions(self):  # the longest input the model can run; None: no end
+        return self.block_size if self.pos_encoding == "learned" else None
+
+    def positions_error(self, n):  # the one line saying why n positions cannot run, else None
+        if self.max_positions is not None and n > self.max_positions:
+            return (f"learned positions end at block_size={self.block_size}: position {n - 1} "
+                    f"cannot run")
+
     def __post_init__(self):
         check_config(self)  # below, so that the fields read first
 
 
 def check_config(cfg):
-    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model."""
+    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model; a
+    baseline's own settings are checked in baselines.check."""
     for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
                  "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < (name != "rope_original"):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for name, allowed in {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
-                          "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-                          "rope_scaling": ("none", "linear", "ntk", "yarn")}.items():
+    for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
-    if cfg.attention == "linear" and cfg.pos_encoding in RELATIVE:
-        raise ValueError(f"pos_encoding={cfg.pos_encoding!r} biases the attention scores, "
-                         "which linear attention never forms: use attention='softmax'")
-    if not rope:  # a baseline's own settings, checked where the baselines live
-        baselines().check(cfg)
+    if not rope:
+        baselines.check(cfg)
     for wrong, why in [
         (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
         (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
@@ -89,11 +101,6 @@ def check_config(cfg):
                          f"computed exactly")
 
 
-def baselines():  # lib/baselines.py, imported only when pos_encoding is not "rope"
-    from lib import baselines as module
-    return module
-
-
 @torch.no_grad()
 def init_parameter(name, p, n_layer, generator=None):
     """The one init rule, by name (also for lib/checkpoint.py's meta-device build): matrices
@@ -107,17 +114,14 @@ def init_parameter(name, p, n_layer, generator=None):
         p.normal_(0.0, std, generator=generator)
 
 
-# 2. RoPE. Channel i of a head pairs with channel i + d/2 (GPT-NeoX's "half split"; the paper
-# pairs adjacent channels: the same maths up to a fixed permutation) and turns by m * theta_i.
+# 2. RoPE: channel i of a head pairs with channel i + d/2 and turns by m theta_i (docs/MODEL.md)
 def ntk_base(base, factor, head_dim):  # NTK-aware (also the exports'): the lowest pair s x slower
     return base * factor ** (head_dim / (head_dim - 2))
 
 
 def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original=0):
     """float32 (len(pos), head_dim) cos = [cos a, cos a], sin = [-sin a, sin a], a = m theta_i,
-    from float64 (a float32 angle is off by 3e-2 rad at m = 1e6). Extension by `factor` s:
-    linear, ntk, or yarn as transformers computes it (`original`: the trained context; the
-    formula: docs/MODEL.md)."""
+    from float64 angles; `scaling` by `factor` from the `original` context: docs/MODEL.md."""
     if scaling == "ntk":
         base = ntk_base(base, factor, head_dim)
     i = torch.arange(head_dim // 2, device="cpu").double()  # cpu: also under device("meta")
@@ -140,10 +144,9 @@ def apply_rope(x, cos, sin):
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-# 3. Linear attention, RoFormer eq. 19, causal, rotation in the numerator only (docs/MODEL.md,
-# with the guard: the denominator is at least GUARD x a bound of the numerator, |out| <= max|v|
-# / GUARD; its fold pairs channel i with i + d/2 as apply_rope does). Chunked: a masked product
-# in each chunk, a running S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
+# 3. Linear attention, RoFormer eq. 19 (docs/MODEL.md): causal, rotation in the numerator only,
+# the denominator at least GUARD x its bound. Chunked: a masked product in each chunk, a running
+# S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
 GUARD = 0.25
 
 
@@ -179,56 +182,7 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
 
 
-# 4. Decoding caches (sample.py gets them from RoFormer.new_cache and passes them in)
-class KVCache:
-    """Per layer the keys and values of `size` positions in preallocated slots used as a ring
-    (position p in slot p % size), and each slot's position (-1: empty). Past the window:
-    sliding-window attention (not crop-and-recompute: deeper keys saw older tokens)."""
-
-    def __init__(self, n_layer, size, window, device):
-        self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
-        self.slot_pos = torch.full((n_layer, size), -1, dtype=torch.long, device=device)
-        self.window = window
-
-    def visible(self, distance, key_pos):  # (queries, keys) bool: causal, inside the window
-        return (key_pos >= 0) & (distance >= 0) & (distance < self.window)
-
-    def update(self, layer, k, v, pos):
-        """Store one layer's new keys and values (positions pos) -> the keys, values, their
-        positions and the (queries, keys) visibility that the layer's queries attend with."""
-        empty = self.keys[layer] is None
-        if empty:  # allocated by the first forward: its batch and dtype
-            shape = (k.size(0), k.size(1), self.slot_pos.size(1), k.size(3))
-            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-        keys, values, slot_pos = self.keys[layer], self.values[layer], self.slot_pos[layer]
-        size, new = slot_pos.numel(), pos.numel()
-        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
-        slots = kept % size
-        # Write first only when nothing a query needs is evicted: one token, or a chunk that
-        # fits an empty cache (known on the host: no read-back); else the queries attend to
-        # the old slots and the whole chunk side by side.
-        if new == 1 or (empty and new <= size):
-            key_pos, seen = slot_pos, (keys, values)  # aliases: read after the writes below
-        else:
-            key_pos, seen = torch.cat((slot_pos, pos)), (torch.cat((keys, k), 2),
-                                                         torch.cat((values, v), 2))
-        slot_pos[slots] = kept
-        keys[:, :, slots], values[:, :, slots] = k[:, :, -size:], v[:, :, -size:]
-        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos)
-
-
-class RecurrentState:
-    """Per layer eq. 19's running (S, z), float32, constant in size; it never forgets."""
-
-    def __init__(self, n_layer):
-        self.state = [None] * n_layer
-
-    def update(self, layer, S, z):  # in place: a compiled (CUDA-graph) step replays addresses
-        old = self.state[layer]
-        self.state[layer] = (S, z) if old is None else (old[0].copy_(S), old[1].copy_(z))
-
-
-# 5. The transformer
+# 4. The transformer
 class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
     pos: torch.Tensor                      # the queries' absolute positions, (T,)
     rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
@@ -253,9 +207,9 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.rel_k = None  # shaw's table in this layer (lib/baselines.py's add_tables)
+        self.rel_k = None  # shaw's table in this layer (baselines.add_tables)
         if cfg.pos_encoding != "rope":
-            baselines().add_tables(self, cfg, "attention")
+            baselines.add_tables(self, cfg, "attention")
 
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
@@ -317,7 +271,7 @@ class RoFormer(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
         if cfg.pos_encoding != "rope":
-            baselines().add_tables(self, cfg, "model")
+            baselines.add_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -326,8 +280,8 @@ class RoFormer(nn.Module):
         # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
         for name in ("rope_cos", "rope_sin", "sin_emb"):
             self.register_buffer(name, torch.empty(0), persistent=False)
-        self.table_start = 0  # the tables hold positions table_start.. (slide_tables)
-        self.pos_tables(cfg.block_size, "cpu")  # not the window: a forward grows them
+        self.table_start = 0  # the tables hold positions table_start.. (hold_positions)
+        self.hold_positions(0, cfg.block_size, "cpu")  # not the window: a forward grows them
         for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
@@ -345,64 +299,54 @@ class RoFormer(nn.Module):
     def fixed_table(self):  # the table whose length the others share, None if no table
         return {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(self.config.pos_encoding)
 
-    def table_rows(self, pos):
-        """{buffer name: its float32 rows at positions pos}, on the CPU."""
-        c = self.config
+    def hold_positions(self, start, n, device=None):
+        """Make the fixed tables hold positions start..start+n-1, position p in row p % L of their
+        L rows: written over in place up to L positions (docs/MODEL.md: why), rebuilt larger past."""
+        have, c = self.fixed_table(), self.config
+        if why := c.positions_error(start + n):  # the one table that cannot grow (wpe)
+            raise ValueError(f"{why} (use_cache=False crops)")
+        if have is None or self.table_start <= start and start + n <= self.table_start + len(have):
+            return  # held already, or no fixed table (the other encodings)
+        size = len(have) if n <= len(have) else max(n, 2 * len(have))
+        pos = torch.arange(start, start + size, device="cpu")  # cpu: also under device("meta")
         if c.pos_encoding == "rope":
-            return dict(zip(("rope_cos", "rope_sin"), rope_table(
+            tables = dict(zip(("rope_cos", "rope_sin"), rope_table(
                 pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor,
                 c.original_context)))
-        return {"sin_emb": baselines().sinusoidal_embedding(pos, c.n_embd)}
+        else:
+            tables = {"sin_emb": baselines.sinusoidal_embedding(pos, c.n_embd)}
+        for name, rows in tables.items():
+            rows = rows.roll(start % size, 0)  # row i, position start + i, to row p % size
+            if size == len(have):
+                getattr(self, name).copy_(rows)
+            else:
+                setattr(self, name, rows.to(device or have.device))
+        self.table_start = start
 
-    def pos_tables(self, n, device):
-        """Make the fixed tables cover positions 0..n-1 (slot p: position p); grown
-        geometrically, only if short (or slid past 0 by slide_tables)."""
-        if self.wpe is not None and n > self.wpe.num_embeddings:  # the one table that cannot grow
-            raise ValueError(f"learned positions end at block_size={self.wpe.num_embeddings}; "
-                             f"cannot run position {n - 1} (use use_cache=False to crop)")
-        have = self.fixed_table()
-        if have is None or (have.size(0) >= n and self.table_start == 0):
-            return  # the other encodings have no fixed table
-        size = have.size(0) if have.size(0) >= n else max(n, self.config.block_size,
-                                                           2 * have.size(0))
-        for name, rows in self.table_rows(torch.arange(size, device="cpu")).items():
-            setattr(self, name, rows.to(device))
-        self.table_start = 0
+    def pos_tables(self, n, device):  # positions 0..n-1 (the tests, bench/decode.py)
+        self.hold_positions(0, n, device)
 
-    def slide_tables(self, p):
-        """Make the tables hold position p for the one-token step, which reads slot p % L of
-        an L-row table. Past the rows held, the next L positions are written over the same
-        buffers in place: the same shape and address (a compiled step, CUDA graphs included,
-        neither recompiles nor grows), and memory stays L rows however long decoding runs."""
-        have = self.fixed_table()
-        if have is None or self.table_start <= p < self.table_start + have.size(0):
-            return
-        pos = torch.arange(p, p + have.size(0), device="cpu")  # cpu: as rope_table computes
-        slots = (pos % have.size(0)).to(have.device)
-        for name, rows in self.table_rows(pos).items():
-            getattr(self, name).index_copy_(0, slots, rows.to(have.device))
-        self.table_start = p
+    def slide_tables(self, p):  # position p, for lib/decode.py's one-token step
+        self.hold_positions(p, 1)
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
-        rope = self.config.pos_encoding == "rope"
-        return None if rope else baselines().position_embedding(self, pos, index)
+        return baselines.position_embedding(self, pos, index)  # None for RoPE
 
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
-        return baselines().position_bias(self, d, visible)
+        return baselines.position_bias(self, d, visible)
 
-    def new_cache(self, total_len, device):  # for sample.py, which passes it to forward
+    def new_cache(self, total_len, device):  # for lib/decode.py, which passes it to forward
         c, w = self.config, self.config.context_window
         return (RecurrentState(c.n_layer) if c.attention == "linear" else
                 KVCache(c.n_layer, min(total_len, w), w, device))
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
-        """idx (B, T) -> logits (B, T, V), and the mean cross-entropy of targets (-1: ignore).
-        idx holds positions start_pos.. (with a cache, after the cached ones). start_pos: an
-        int, or a (1,) tensor as in the static compiled step (one graph for every position),
-        whose table rows must then be held (pos_tables, or slide_tables as lib/decode.py calls)."""
+        """idx (B, T) at positions start_pos.. -> logits (B, T, V), and the mean cross-entropy of
+        targets (-1: ignore). start_pos: an int, or a (1,) tensor as in the static compiled step
+        (one graph for every position), whose table rows must be held (slide_tables)."""
         c, T = self.config, idx.size(1)
-        if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables grow to it
-            self.pos_tables(start_pos + T, idx.device)
+        if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables hold it
+            self.hold_positions(start_pos, T, idx.device)
         pos = torch.arange(T, device=idx.device) + start_pos  # the tokens' absolute positions
         table = self.fixed_table()
         rows = pos if table is None else pos % table.size(0)  # slot p % L holds position p
@@ -420,7 +364,6 @@ class RoFormer(nn.Module):
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
                                        targets.reshape(-1), ignore_index=-1)
 
-    def num_params(self, non_embedding=True):
-        """Parameter count; non_embedding drops the position table (wte is also the head)."""
+    def num_params(self, non_embedding=True):  # non_embedding: less wpe (wte is also the head)
         n = sum(p.numel() for p in self.parameters())
         return n - (self.wpe.weight.numel() if non_embedding and self.wpe is not None else 0)

@@ -101,7 +101,7 @@ def flex_vs_sdpa(Ns, n_embd, n_head, reps):
     score_mod (compiled, causal block mask), next to plain causal SDPA."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    from lib.baselines import alibi_slopes, t5_bucket
+    from baselines import alibi_slopes, t5_bucket
     flex = torch.compile(flex_attention)
     H, D = n_head, n_embd // n_head
     slopes, table = torch.tensor(alibi_slopes(H)), torch.randn(32, H)

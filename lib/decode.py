@@ -57,12 +57,11 @@ def check_request(model, idx, max_new_tokens, use_cache, compile):
         raise ValueError("generate needs at least one prompt token")
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step; it needs use_cache=True")
-    bs = model.config.block_size
     # the last sampled token is never fed back, so its position needs no embedding
-    if use_cache and model.config.pos_encoding == "learned" and \
-            idx.size(1) + max_new_tokens - 1 > bs:
-        raise ValueError(f"learned positions end at block_size={bs}; a {idx.size(1)}-token "
-                         f"prompt and {max_new_tokens} new tokens need use_cache=False")
+    why = use_cache and model.config.positions_error(idx.size(1) + max_new_tokens - 1)
+    if why:
+        raise ValueError(f"{why}; a {idx.size(1)}-token prompt and {max_new_tokens} new tokens "
+                         f"need use_cache=False")
 
 
 def prefill(model, idx, cache, chunk):

@@ -76,6 +76,28 @@ def test_position_tables_do_not_grow_with_max_new_tokens(pos_encoding):
     assert torch.equal(got, generate(ref, prompt, 40, temperature=0)[:, 3:])
 
 
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal"])
+def test_a_deep_chunk_slides_the_tables_instead_of_growing_them(pos_encoding):
+    """Issue 36: one rule holds the rows a forward needs. A chunk of at most L positions deep
+    into the sequence (prefill, eval's cached windows) is written over the L rows in place, as
+    the one-token step's are, not grown to every position before it; its logits equal those
+    of a model whose tables hold every position as plain rows (the reference)."""
+    import copy
+    m = tiny(pos_encoding=pos_encoding)
+    ref = copy.deepcopy(m)
+    ref.pos_tables(200, "cpu")
+    buffer = lambda: m.rope_cos if pos_encoding == "rope" else m.sin_emb  # noqa: E731
+    rows, address = buffer().size(0), buffer().data_ptr()
+    idx = torch.randint(0, 61, (2, rows))
+    with torch.no_grad():
+        got = m(idx, cache=m.new_cache(200, "cpu"), start_pos=150)[0]
+        want = ref(idx, cache=ref.new_cache(200, "cpu"), start_pos=150)[0]
+    assert buffer().size(0) == rows and buffer().data_ptr() == address
+    assert ref.rope_cos.size(0) >= 200 if pos_encoding == "rope" else ref.sin_emb.size(0) >= 200
+    torch.testing.assert_close(got, want)
+
+
 PEAK_RSS = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})

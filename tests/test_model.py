@@ -511,6 +511,29 @@ def test_learned_positions_decode_a_full_block_prompt_and_one_token():
         generate(m, prompt, 2, temperature=0)
 
 
+def test_the_longest_input_is_one_rule_the_callers_share():
+    """Issue 36: RoFormerConfig.max_positions is where learned positions end, the rows of wpe
+    (the reference); forward and lib/decode.check_request accept exactly that many positions
+    and refuse one more in one line naming block_size; the encodings whose tables grow have
+    no end (here, three times block_size)."""
+    from lib.decode import check_request
+    for pe in POS_ENCODINGS + ["t5"]:
+        m = tiny(pos_encoding=pe, block_size=8)
+        limit = m.config.max_positions
+        assert limit == (m.wpe.num_embeddings if pe == "learned" else None)
+        n = limit or 24
+        with torch.no_grad():
+            assert m(torch.zeros(1, n, dtype=torch.long))[0].isfinite().all()
+        check_request(m, torch.zeros(1, n, dtype=torch.long), 1, True, False)
+        if limit:
+            for call in (lambda: m(torch.zeros(1, n + 1, dtype=torch.long)),
+                         lambda: check_request(m, torch.zeros(1, n, dtype=torch.long), 2, True,
+                                               False)):
+                with pytest.raises(ValueError, match=r"^learned positions end at block_size=8"
+                                                     r"[^\n]*$"):
+                    call()
+
+
 # --- sampling ---------------------------------------------------------------------------
 
 def test_top_k_and_top_p_support():
@@ -622,7 +645,7 @@ def test_sinusoidal_table_has_the_embeddings_init_scale():
     """The baseline's fixed table must not drown the token embeddings (init std 0.02)."""
     m = tiny(pos_encoding="sinusoidal", n_embd=64, block_size=512)
     table = m(torch.zeros(1, 512, dtype=torch.long))[0]  # exercises the forward path too
-    from lib.baselines import sinusoidal_embedding
+    from baselines import sinusoidal_embedding
     rms = sinusoidal_embedding(torch.arange(512), 64).pow(2).mean().sqrt().item()
     tok = m.wte.weight.pow(2).mean().sqrt().item()
     assert table.isfinite().all() and 0.5 < rms / tok < 2.0
@@ -633,7 +656,7 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
     with it. Rebuilding it inside forward meant a float64 CPU computation and a host-to-device
     copy on every GPU step, and a break in the compiled graph. The cached table still equals
     the formula (reference_forward writes it out), also once decoding grows it."""
-    import lib.baselines as B
+    import baselines as B
     m = tiny(pos_encoding="sinusoidal")
     built = []
     real = B.sinusoidal_embedding

@@ -15,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib.baselines import alibi_slopes, shaw_bias, t5_bucket  # noqa: E402
+from baselines import alibi_slopes, shaw_bias, t5_bucket  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_model import cached_logits  # noqa: E402
 from lib.decode import generate  # noqa: E402

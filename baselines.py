@@ -1,21 +1,24 @@
 """The position-encoding baselines RoPE is measured against (pos_encoding "learned",
-"sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"). model.py imports this
-module only when pos_encoding is not "rope": RoFormerConfig calls check, and the model reaches
-it through three hooks: add_tables (construction: the learned tables, registered where
-checkpoints have always had them), position_embedding (added to the token embeddings) and
-position_bias (added to the attention scores). Otherwise the model runs the same code path, so
-comparisons are fair."""
+"sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"), beside model.py at the
+bottom of the layering: it imports nothing of the project. RoFormerConfig calls check when
+pos_encoding is not "rope", and the model reaches it through three hooks: add_tables
+(construction: the learned tables, registered where checkpoints have always had them),
+position_embedding (added to the token embeddings) and position_bias (added to the attention
+scores). Otherwise the model runs the same code path, so comparisons are fair."""
 import math
 
 import torch
 import torch.nn as nn
 
+RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
+
 
 def check(cfg):
-    """RoFormerConfig's checks of the baselines' settings (called when pos_encoding != "rope").
-    A relative bias with linear attention is model.py's check: it names both."""
+    """RoFormerConfig's checks of the baselines' settings (called when pos_encoding != "rope")."""
     pe = cfg.pos_encoding
     for wrong, why in [
+        (cfg.attention == "linear" and pe in RELATIVE, f"pos_encoding={pe!r} biases the "
+         "attention scores, which linear attention never forms: use attention='softmax'"),
         (cfg.t5_max_distance <= cfg.t5_buckets // 2, "t5_max_distance must exceed the "
          f"t5_buckets // 2 = {cfg.t5_buckets // 2} exact buckets"),
         (pe == "sinusoidal" and cfg.n_embd % 2, "sinusoidal positions need an even n_embd"),
@@ -51,10 +54,10 @@ def sinusoidal_embedding(pos, dim):
 
 def position_embedding(model, pos, index):
     """Position hook 1 of 2 (RoFormer.position_embedding): learned rows of model.wpe, or the
-    sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.pos_tables builds with
+    sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.hold_positions builds with
     sinusoidal_embedding and grows), at positions pos (index: their table rows); None for the
     encodings that add nothing. Learned positions past block_size are refused before any layer
-    runs (RoFormer.pos_tables)."""
+    runs (RoFormer.hold_positions)."""
     c = model.config
     if c.pos_encoding == "learned":
         return model.wpe(pos)

@@ -1,0 +1,53 @@
+"""The decoding caches, one entry per layer: a softmax layer's keys and values (KVCache), a
+linear layer's recurrent state (RecurrentState). RoFormer.new_cache makes one, lib/decode.py
+passes it to each forward, and each layer updates its own entry with one call. Beside
+model.py, imports torch only."""
+import torch
+
+
+class KVCache:
+    """Per layer the keys and values of `size` positions in preallocated slots used as a ring
+    (position p in slot p % size), and each slot's position (-1: empty). Past the window:
+    sliding-window attention (not crop-and-recompute: deeper keys saw older tokens)."""
+
+    def __init__(self, n_layer, size, window, device):
+        self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
+        self.slot_pos = torch.full((n_layer, size), -1, dtype=torch.long, device=device)
+        self.window = window
+
+    def visible(self, distance, key_pos):  # (queries, keys) bool: causal, inside the window
+        return (key_pos >= 0) & (distance >= 0) & (distance < self.window)
+
+    def update(self, layer, k, v, pos):
+        """Store one layer's new keys and values (positions pos) -> the keys, values, their
+        positions and the (queries, keys) visibility that the layer's queries attend with."""
+        empty = self.keys[layer] is None
+        if empty:  # allocated by the first forward: its batch and dtype
+            shape = (k.size(0), k.size(1), self.slot_pos.size(1), k.size(3))
+            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        keys, values, slot_pos = self.keys[layer], self.values[layer], self.slot_pos[layer]
+        size, new = slot_pos.numel(), pos.numel()
+        kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
+        slots = kept % size
+        # Write first only when nothing a query needs is evicted: one token, or a chunk that
+        # fits an empty cache (known on the host: no read-back); else the queries attend to
+        # the old slots and the whole chunk side by side.
+        if new == 1 or (empty and new <= size):
+            key_pos, seen = slot_pos, (keys, values)  # aliases: read after the writes below
+        else:
+            key_pos, seen = torch.cat((slot_pos, pos)), (torch.cat((keys, k), 2),
+                                                         torch.cat((values, v), 2))
+        slot_pos[slots] = kept
+        keys[:, :, slots], values[:, :, slots] = k[:, :, -size:], v[:, :, -size:]
+        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos)
+
+
+class RecurrentState:
+    """Per layer eq. 19's running (S, z), float32, constant in size; it never forgets."""
+
+    def __init__(self, n_layer):
+        self.state = [None] * n_layer
+
+    def update(self, layer, S, z):  # in place: a compiled (CUDA-graph) step replays addresses
+        old = self.state[layer]
+        self.state[layer] = (S, z) if old is None else (old[0].copy_(S), old[1].copy_(z))
