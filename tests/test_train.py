@@ -195,6 +195,28 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
 
 
+def imported_by_run(*args):
+    """The project modules a one-iteration run imported (`python -X importtime` lists each)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", TRAIN, *TINY, "--max_iters=1",
+                        "--eval_iters=1", *args], capture_output=True, text=True, cwd=ROOT,
+                       env=env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
+
+
+# module -> a flag whose path needs it: a plain one-process run never runs it, so never imports
+# it (issue 36: the lines of project code a run imports)
+OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon"}
+
+
+def test_a_plain_run_imports_no_optional_module(data, tmp_path):
+    plain = imported_by_run(f"--data_dir={data}", f"--out_dir={tmp_path / 'plain'}")
+    assert "lib.optim" in plain and not plain & set(OPTIONAL_MODULES)
+    for module, flag in OPTIONAL_MODULES.items():  # and the path that needs one imports it
+        assert module in imported_by_run(f"--data_dir={data}", f"--out_dir={tmp_path / module}",
+                                         flag)
+
+
 def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
     """A window is T+1 tokens, so T+1 tokens hold exactly one, and that window is also the
     last one. The draw used to stop one window short (rng.integers(0, len-T-1) never returns
