@@ -319,8 +319,7 @@ if wandb_log and master:
 peak = mfu.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
 progress = Progress(start_iter, max_iters, tokens_per_iter,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
-                    world, master, forget_peak=(lambda: mfu.forget_cpu_peak(ptdtype))
-                    if device_type == "cpu" else None)
+                    world, master)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
     run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder

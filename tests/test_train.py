@@ -64,7 +64,7 @@ def data(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("data")))
 
 
-# The runs' caches (the CPU peak, lib/mfu.py) in a folder of this test session, not the user's
+# The runs' XDG_CACHE_HOME: a folder of this test session, not the user's
 CACHE = tempfile.mkdtemp(prefix="roformer-test-cache-")
 atexit.register(shutil.rmtree, CACHE, True)
 
