@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import glob
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -204,17 +205,18 @@ def imported_by_run(*args):
     return {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
 
 
-# module -> a flag whose path needs it: a plain one-process run never runs it, so never imports
-# it (issue 36: the lines of project code a run imports)
-OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon"}
+# module -> a flag whose path needs it (None: torchrun's): a plain one-process run never runs
+# it, so never imports it (issue 36: the lines of project code a run imports)
+OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon", "lib.torchrun_errors": None}
 
 
 def test_a_plain_run_imports_no_optional_module(data, tmp_path):
     plain = imported_by_run(f"--data_dir={data}", f"--out_dir={tmp_path / 'plain'}")
     assert "lib.optim" in plain and not plain & set(OPTIONAL_MODULES)
     for module, flag in OPTIONAL_MODULES.items():  # and the path that needs one imports it
-        assert module in imported_by_run(f"--data_dir={data}", f"--out_dir={tmp_path / module}",
-                                         flag)
+        assert importlib.util.find_spec(module)
+        assert not flag or module in imported_by_run(f"--data_dir={data}",
+                                                     f"--out_dir={tmp_path / module}", flag)
 
 
 def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
