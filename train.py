@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from data.dataset import check_split_sizes, open_dataset, open_split
-from lib import common, mfu, optim, run, run_tokenizer, saving
+from lib import common, mfu, optim, run, saving
 from lib.build import build_model
 from lib.common import UserError, configure
 from lib.progress import Progress, stop_on_signals
@@ -322,7 +322,7 @@ progress = Progress(start_iter, max_iters, tokens_per_iter,
                     world, master)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
-    run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
+    run.keep_tokenizer(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)

@@ -13,7 +13,7 @@ import uuid
 import torch
 
 from lib import run_tokenizer
-from lib.common import UserError, created_files, file_sha256, make_out_dir
+from lib.common import UserError, atomic_write, created_files, file_sha256, make_out_dir
 
 
 def barrier(ddp):
@@ -34,6 +34,22 @@ def tokenizer_identity(dataset, data_dir, ddir, meta):
             "sha256": file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
             "bos_id": meta.get("bos_id")}
+
+
+def keep_tokenizer(out_dir, identity):
+    """Copy the dataset's tokenizer (train.py's record `identity`) into out_dir, atomically,
+    unless the run's copy is already there; a dataset without one has nothing to copy."""
+    path, want = os.path.join(out_dir, run_tokenizer.NAME), identity.get("sha256")
+    if not want or run_tokenizer.sha256(path) == want:
+        return
+    try:
+        changed = atomic_write(path, lambda tmp: shutil.copyfile(identity["path"], tmp),
+                               check=lambda tmp: None if run_tokenizer.sha256(tmp) == want else
+                               f"{identity['path']} changed since the run started")
+    except OSError as e:
+        raise UserError(f"cannot copy the tokenizer into {path}: {e.strerror or e}") from None
+    if changed:
+        raise UserError(f"cannot copy the tokenizer into {path}: {changed}")
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
-"""A run's tokenizer. train.py keeps a copy of the dataset's tokenizer.model in out_dir, so that a
-run folder needs nothing outside itself (a later prepare into the dataset folder may replace the
-dataset's); `find` is the one place that locates a run's tokenizer file (sample.py, eval.py,
-export.py, prepare --tokenizer=RUN), always checked by the sha256 the checkpoint records.
+"""A run's tokenizer. train.py keeps a copy of the dataset's tokenizer.model in out_dir
+(lib/run.py's keep_tokenizer), so that a run folder needs nothing outside itself (a later
+prepare into the dataset folder may replace the dataset's); `find` is the one place that
+locates a run's tokenizer file (sample.py, eval.py, export.py, prepare --tokenizer=RUN), always
+checked by the sha256 the checkpoint records.
 Imports only lib/common.py (data/ calls it too), and sentencepiece only where a file is parsed."""
 import os
-import shutil
 import sys
 
-from lib.common import REPO, UserError, atomic_write, file_sha256
+from lib.common import REPO, UserError, file_sha256
 
 NAME = "tokenizer.model"  # in a dataset folder and in a run folder alike
 
@@ -30,22 +30,6 @@ def load(path):
     except (RuntimeError, OSError) as e:
         raise UserError(f"cannot load the tokenizer {path}: sentencepiece cannot parse it "
                         f"({str(e).splitlines()[0]}); truncated, or not a tokenizer.model")
-
-
-def keep(out_dir, identity):
-    """Copy the dataset's tokenizer (train.py's record `identity`) into out_dir, atomically,
-    unless the run's copy is already there; a dataset without one has nothing to copy."""
-    path = os.path.join(out_dir, NAME)
-    if not identity.get("sha256") or sha256(path) == identity["sha256"]:
-        return
-    try:
-        changed = atomic_write(path, lambda tmp: shutil.copyfile(identity["path"], tmp),
-                               check=lambda tmp: None if sha256(tmp) == identity["sha256"] else
-                               f"{identity['path']} changed since the run started")
-    except OSError as e:
-        raise UserError(f"cannot copy the tokenizer into {path}: {e.strerror or e}") from None
-    if changed:
-        raise UserError(f"cannot copy the tokenizer into {path}: {changed}")
 
 
 def recorded_places(info):
