@@ -30,7 +30,7 @@ from data.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
-from lib.common import UserError, cli, configure, pick_device
+from lib.common import UserError, cli, configure, device_memory, pick_device
 from lib.load import dataset_dir, describe, load_run
 from lib.run_tokenizer import folder_read
 from model import KVCache
@@ -182,16 +182,6 @@ def greedy(model, ids, band, vocab):
         pos, x = pos + x.size(1), logits[:, -1:, :vocab].argmax(-1)
         out.append(x.item())
     return out
-
-
-def device_memory(dev):
-    """Bytes of memory on the device (None where the platform does not say)."""
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def check_prompt_memory(model, lengths):

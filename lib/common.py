@@ -324,6 +324,18 @@ def cuda_autocast_dtype():
     return "bfloat16" if native else "float16"
 
 
+def device_memory(dev):
+    """Bytes of memory on the device: a GPU's total, else the machine's RAM; None where the
+    platform does not say (no sysconf: Windows)."""
+    import torch
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def pick_device(device="auto", dtype="auto", training=False):
     """Resolve 'auto' and check the names before anything loads; returns (torch.device, dtype
     name). Training also takes MPS, and bf16 autocast on a CPU that multiplies bf16 natively
