@@ -6,32 +6,13 @@ Measure a trained run on text: loss in nats per token, perplexity, and bits per 
     python eval.py --out_dir=out-small --input=long.txt --lengths=256,1024,4096 --window_mode=local
     python eval.py --out_dir=out-small --passkey --lengths=256,1024 --depths=0,0.5,1 [--keys=4]
 
-Nats per token depend on the tokenizer (a bigger vocab puts more text in each token), so runs
-with different vocabularies, or other models, compare only in bits per byte: the total loss in
-bits over the bytes of the text, total_nats / ln 2 / bytes.
-
-The inputs become documents by the rule prepare applies to a corpus (data/documents.py, the
-same code): a single text file is split into paragraphs at blank lines, several text files
-are a document each, a .jsonl(.gz) record or parquet row is a document (--text_field). Each
-document is read after the end-of-document token (the context every training document starts
-from) and every one of its tokens is scored once.
-
-Bytes are the UTF-8 bytes of the documents scored, exactly the text their tokens encode: the
-blank runs between paragraphs and whitespace-only files add neither tokens nor bytes, so
-padding a text cannot move bits per byte (docs/RESULTS.md says why).
-
-Text longer than the window (block_size; original context * rope_factor when scaled, e.g.
---rope_scaling=ntk --rope_factor=4) is scored by windows that start every `stride` tokens,
-each scoring only the tokens past the previous one (so each has at least window - stride
-tokens of context). --split=val scores the run's own val.bin (its end-of-document tokens
-included: loss but no bytes). --lengths=L1,L2,...: a row per length L, the same tokens scored
-with windows of L tokens (stride default L/2), so only the context differs (L past the trained
-window: extrapolation; L past the longest text scores each text once, as L = its length
-would, and the row says so). --window_mode=local: each token sees only its last context_window
-tokens. --passkey: greedy recall of a 5-digit key put at each --depths fraction of prompts of
-about L tokens. --keys=N: N labelled keys in the filler and the question names one, the asked
-key at the depth and the others where the seed puts them (RULER's multi-key needle; 1: the
-single unlabelled key).
+Nats per token depend on the tokenizer, so runs with different vocabularies, or other models,
+compare only in bits per byte: total_nats / ln 2 / the UTF-8 bytes of the documents scored
+(whitespace between them adds neither tokens nor bytes, so padding cannot move it; see
+docs/RESULTS.md). The inputs become documents by prepare's rule (data/documents.py, the same
+code), each read after the end-of-document token, every token scored once by windows every
+`stride` tokens (each row of --lengths=L: windows of L, stride L/2). What each flag does:
+README.md's "Evaluation in bits per byte".
 """
 import json as jsonlib
 import math
@@ -49,7 +30,7 @@ from data.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
-from lib.common import UserError, cli, configure, pick_device
+from lib.common import UserError, cli, configure, device_memory, pick_device
 from lib.load import dataset_dir, describe, load_run
 from lib.run_tokenizer import folder_read
 from model import KVCache
@@ -207,16 +188,6 @@ def greedy(model, ids, band, vocab):
         pos, x = pos + x.size(1), logits[:, -1:, :vocab].argmax(-1)
         out.append(x.item())
     return out
-
-
-def device_memory(dev):
-    """Bytes of memory on the device (None where the platform does not say)."""
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def check_prompt_memory(model, lengths):

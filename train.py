@@ -17,7 +17,7 @@ and evaluation (its own fixed generator) never disturbs training.
 
 Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, preconditions),
 lib/progress.py, lib/mfu.py, lib/build.py (the model), lib/optim.py (AdamW, Muon, their rules),
-lib/checkpoint.py, lib/common.py (config, device/dtype, one-line errors); when used,
+lib/saving.py, lib/common.py (config, device/dtype, one-line errors); when used,
 lib/resume.py (from a checkpoint), lib/parallel.py (torchrun), lib/wandb_run.py.
 """
 import contextlib
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from data.dataset import check_split_sizes, open_dataset, open_split
-from lib import checkpoint, common, mfu, optim, run, run_tokenizer
+from lib import common, mfu, optim, run, saving
 from lib.build import build_model
 from lib.common import UserError, configure
 from lib.progress import Progress, stop_on_signals
@@ -270,12 +270,12 @@ def lr_factor(it):
 def save_checkpoint():
     """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
     call it (an FSDP save is a collective)."""
-    save = parallel.save_sharded if fsdp else functools.partial(checkpoint.save, rank=rank)
+    save = parallel.save_sharded if fsdp else functools.partial(saving.save, rank=rank)
     save(ckpt_path, {
         "scaler": scaler.state_dict() or None,  # {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "run_id": run_id, "wandb_id": wandb_id, "model_args": model_args, "config": config,
-        "tokenizer": tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
+        "tokenizer": tokenizer, "rng": saving.rng_state()}, raw_model, opt)
 
 
 @torch.no_grad()
@@ -319,11 +319,10 @@ if wandb_log and master:
 peak = mfu.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
 progress = Progress(start_iter, max_iters, tokens_per_iter,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
-                    world, master, forget_peak=(lambda: mfu.forget_cpu_peak(ptdtype))
-                    if device_type == "cpu" else None)
+                    world, master)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
-    run_tokenizer.keep(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
+    run.keep_tokenizer(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
     print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
           f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)

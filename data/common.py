@@ -26,7 +26,6 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib import run_tokenizer
 from lib.common import REPO, UserError, check_seed, cli, error_line
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
@@ -39,10 +38,11 @@ def given_tokenizer(path):
         raise UserError(f"--tokenizer {path} does not exist")
     if os.path.isdir(path) or zipfile.is_zipfile(path):  # a run: ckpt.pt is a zip archive
         from lib.checkpoint import read  # torch and the model: only a run needs them
+        from lib.load import find_tokenizer
         ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
         info = read(ckpt, mmap=True).get("tokenizer")  # one line if not a checkpoint
         try:  # the run folder's copy, else where an older run had it, by sha256
-            path = run_tokenizer.find(os.path.dirname(ckpt), info)
+            path = find_tokenizer(os.path.dirname(ckpt), info)
         except UserError as e:  # moved or retrained since, or a dataset without one
             raise UserError(f"--tokenizer {path}: {e}") from None
     with open(path, "rb") as f:

@@ -39,35 +39,17 @@ def cleanup():
 
 def excepthook(kind, value, tb):
     """sys.excepthook of a script without a main (train.py): a UserError is its line, exit 1
-    (under torchrun once, by the first rank that hits it: said_by_another_rank)."""
+    (under torchrun once, by the first rank that hits it: lib/torchrun_errors.py)."""
     if issubclass(kind, UserError):
         cleanup()
         line = error_line(value)
-        if not said_by_another_rank(line):
-            print(line, file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # under torchrun only
+            from lib.torchrun_errors import said_by_another_rank
+            if said_by_another_rank(line):
+                return
+        print(line, file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, value, tb)
-
-
-def said_by_another_rank(line):
-    """Under torchrun every rank mostly hits the same mistake (a flag, a path): the first rank
-    to count the line in the launcher's store says it and the others stay quiet, so each
-    distinct line appears once, whichever rank hit it (one that only rank 3 hits is still
-    said). Without that store, or if it does not answer, every rank speaks: a line said twice
-    beats a line lost."""
-    if int(os.environ.get("WORLD_SIZE", 1)) < 2 or \
-            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return False
-    try:
-        import datetime
-        from torch.distributed import TCPStore
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=5))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        key = f"roformer-error/{attempt}/{hashlib.sha256(line.encode()).hexdigest()}"
-        return store.add(key, 1) > 1
-    except Exception:  # noqa: BLE001 - any failure to ask: say it
-        return False
 
 
 def cli(main, interrupted=130):
@@ -340,6 +322,18 @@ def cuda_autocast_dtype():
     except TypeError:  # an older torch without the argument counted native support only
         native = torch.cuda.is_bf16_supported()
     return "bfloat16" if native else "float16"
+
+
+def device_memory(dev):
+    """Bytes of memory on the device: a GPU's total, else the machine's RAM; None where the
+    platform does not say (no sysconf: Windows)."""
+    import torch
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def pick_device(device="auto", dtype="auto", training=False):

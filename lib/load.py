@@ -1,9 +1,10 @@
 """
-Loading a run: checkpoint -> model and tokenizer (`load_run`), the dataset folder it read
-(`dataset_dir`, `tokenizer_sha256`), and the one-line summary (`describe`). sample.py, eval.py
-and export.py load through here.
+Loading a run: checkpoint -> model and tokenizer (`load_run`, `find_tokenizer`), the dataset
+folder it read (`dataset_dir`, `tokenizer_sha256`), and the one-line summary (`describe`).
+sample.py, eval.py and export.py load through here.
 """
 import os
+import sys
 
 import torch
 
@@ -43,11 +44,45 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
     except RuntimeError as e:  # weights of another shape or another model file
         raise UserError(misfit(ckpt_path, e)) from None
     model.eval().to(device=device, dtype=getattr(torch, dtype))
-    sp = run_tokenizer.load(run_tokenizer.find(out_dir, ckpt.get("tokenizer"), tokenizer))
+    sp = run_tokenizer.load(find_tokenizer(out_dir, ckpt.get("tokenizer"), tokenizer))
     if sp.get_piece_size() > model.config.vocab_size:
         raise UserError(f"tokenizer has {sp.get_piece_size()} pieces, the model only "
                         f"{model.config.vocab_size}")
     return model, sp, ckpt
+
+
+def find_tokenizer(run_dir, info, override=""):
+    """The path of the tokenizer of the run in `run_dir` whose checkpoint records `info`: the
+    `override` path if given, else run_dir's copy, else (older runs) recorded_places. The first
+    file whose sha256 is the recorded one wins; another tokenizer would silently turn the
+    model's ids into wrong text."""
+    if not isinstance(info, dict) or not info.get("sha256"):
+        if not override:  # trained from a dataset without tokenizer.model: nothing to check
+            raise UserError("the checkpoint records no tokenizer; pass --tokenizer=PATH")
+        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
+              file=sys.stderr)
+        return override
+    recorded = info.get("path") or ""
+    candidates = [override] if override else [os.path.join(run_dir, run_tokenizer.NAME)] + \
+        run_tokenizer.recorded_places(info)
+    mismatched = []
+    for path in filter(os.path.isfile, filter(None, candidates)):
+        if run_tokenizer.sha256(path) == info["sha256"]:
+            return path
+        mismatched.append(path)
+    if mismatched and not override and recorded and not os.path.isfile(recorded):
+        # The run's file is gone (moved, most likely); one found elsewhere is another
+        # tokenizer, which says nothing about the run's having been retrained.
+        raise UserError(f"the run's tokenizer {recorded} is missing (moved or deleted), and "
+                        f"{mismatched[0]} is another tokenizer; pass the run's with "
+                        f"--tokenizer=PATH")
+    if mismatched:
+        raise UserError(f"tokenizer {mismatched[0]} does not match the checkpoint (sha256 "
+                        f"differs from {info['sha256'][:12]}...); it was retrained since, so "
+                        f"rebuild that dataset or pass the original with --tokenizer=PATH")
+    raise UserError(f"tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
+                    f"the run's dataset {run_tokenizer.folder_read(info)} again or pass "
+                    f"--tokenizer=PATH")
 
 
 def dataset_dir(ckpt, gone_ok=False):

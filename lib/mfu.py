@@ -1,56 +1,22 @@
 """MFU: model FLOPs per second of one device over that device's peak, the peak being a GPU's
-datasheet figure or this CPU's timed matmul rate (cached per machine setup)."""
-import contextlib
-import json
-import os
-import platform
+datasheet figure (lib/gpu_peaks.py) or this CPU's matmul rate, timed at the start of the run."""
 import time
-from pathlib import Path
 
 import torch
-
-from lib.common import atomic_write
-
-
-# Dense (no sparsity) peaks of one card from the vendors' datasheets, FLOP/s by the dtype that
-# runs: bf16/fp16 tensor cores, and for float32 the TF32 tensor-core rate where the card has one
-# (train.py allows TF32 matmuls), else plain fp32. The variants of one family differ a lot (H100
-# SXM vs PCIe, A10 vs A10G, L40 vs L40S), so names are matched by whole words; an unknown card
-# or a dtype the card only emulates (bf16 on a V100 or T4) gets no MFU rather than a wrong one.
-GPU_PEAK_FLOPS = {  # (bfloat16, float16, float32)
-    ("h200",): (989e12, 989e12, 494.5e12), ("h200", "nvl"): (835e12, 835e12, 417.5e12),
-    ("h100",): (989e12, 989e12, 494.5e12), ("h100", "pcie"): (756e12, 756e12, 378e12),
-    ("h100", "nvl"): (835e12, 835e12, 417.5e12),
-    ("a100",): (312e12, 312e12, 156e12), ("a30",): (165e12, 165e12, 82e12),
-    ("a10",): (125e12, 125e12, 62.5e12), ("l4",): (121e12, 121e12, 60e12),
-    ("l40",): (181e12, 181e12, 90.5e12), ("l40s",): (362e12, 362e12, 183e12),
-    ("v100",): (None, 125e12, 15.7e12), ("v100", "pcie"): (None, 112e12, 14e12),
-    ("t4",): (None, 65e12, 8.1e12),
-}
-
-
-def gpu_peak_flops(name, dtype="float16"):
-    """Peak FLOP/s of one card from its torch.cuda.get_device_name() for a run in `dtype`, or
-    None if unknown. "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL parts say so."""
-    words = set(name.lower().replace("-", " ").split())
-    keys = [key for key in GPU_PEAK_FLOPS if set(key) <= words]
-    if not keys:
-        return None
-    best = max(keys, key=len)  # the most specific match wins
-    return GPU_PEAK_FLOPS[best][("bfloat16", "float16", "float32").index(dtype)]
 
 
 def peak_flops(device_type, dtype, ddp):
     """FLOP/s of ONE device (this process's) for MFU: a GPU's datasheet peak in the dtype that
     runs, the CPU's timed matmul rate (a CPU has no honest datasheet number), else None."""
-    if device_type == "cuda":
+    if device_type == "cuda":  # the datasheet table: only a GPU run needs it
+        from lib.gpu_peaks import gpu_peak_flops
         return gpu_peak_flops(torch.cuda.get_device_name(), dtype)
     return cpu_peak_flops(getattr(torch, dtype), ddp) if device_type == "cpu" else None
 
 
 def time_matmul(dtype, seconds=0.2, bursts=4):
     """FLOP/s of a 1024^3 matmul in `dtype` on this process's threads: the best of a few short
-    bursts, so that a moment of load from other processes does not end up in the cache."""
+    bursts, so that a moment of load from other processes does not lower it."""
     a = torch.randn(1024, 1024, dtype=dtype)
     a @ a  # warm up
     best = 0.0
@@ -63,52 +29,14 @@ def time_matmul(dtype, seconds=0.2, bursts=4):
     return best
 
 
-def cpu_model():
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_peak_table(dtype):
-    """(the cache file of CPU peaks, its table, this process's key in it)."""
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                         "roformer", "cpu_peak.json")
-    key = f"{cpu_model()} | {torch.get_num_threads()} threads | {dtype} | torch " \
-          f"{torch.__version__}"
-    table = None
-    with contextlib.suppress(OSError, ValueError), open(cache) as f:
-        table = json.load(f)
-    return cache, table if isinstance(table, dict) else {}, key
-
-
-def save_cpu_peaks(cache, table):
-    with contextlib.suppress(OSError):  # a read-only home: time it again next run
-        atomic_write(cache, lambda tmp: Path(tmp).write_text(json.dumps(table)))
-
-
-def forget_cpu_peak(dtype):
-    """Drop this CPU's cached peak: an MFU above 100% proved it too low (timed while the
-    machine was busy), so the next run times it again."""
-    cache, table, key = cpu_peak_table(dtype)
-    if table.pop(key, None) is not None:
-        save_cpu_peaks(cache, table)
-
-
 def cpu_peak_flops(dtype, ddp):
-    """One process's CPU peak in `dtype`: time_matmul's rate, timed once per CPU model, thread
-    count, dtype and torch version and kept in ~/.cache/roformer/cpu_peak.json (delete it to
-    time again; forget_cpu_peak drops one a run disproved), so a short run does not pay for
-    the probe. Under DDP rank 0 times it alone and shares it: ranks timing at once on shared
-    cores would each measure a fraction of it."""
+    """One process's CPU peak in `dtype`: time_matmul's rate, timed afresh by every run (no file
+    kept in the user's home to go stale; the probe takes a fraction of a second). Under DDP
+    rank 0 times it alone and shares it: ranks timing at once on shared cores would each
+    measure a fraction of it."""
     peak = torch.zeros((), dtype=torch.float64)
     if not ddp or torch.distributed.get_rank() == 0:
-        cache, table, key = cpu_peak_table(dtype)
-        if not isinstance(table.get(key), float):
-            table[key] = time_matmul(dtype)
-            save_cpu_peaks(cache, table)
-        peak.fill_(table[key])
+        peak.fill_(time_matmul(dtype))
     if ddp:
         torch.distributed.broadcast(peak, src=0)
     return peak.item()

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lib.checkpoint import commit
+from lib.saving import commit
 from lib.common import UserError, excepthook, fsync
 
 

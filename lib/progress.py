@@ -26,10 +26,10 @@ class Progress:
     one plain line per log_interval, since a bar's carriage-return updates would write
     megabytes there. Tokens/s is smoothed over steps, the first (compilation) ones skipped.
     An MFU above 100% cannot be right: the peak is wrong (a CPU's, timed while the machine was
-    busy), so it is n/a from then on and forget_peak() drops the cached peak it disproved."""
+    busy), so it is n/a from then on."""
 
     def __init__(self, start_iter, max_iters, tokens_per_iter, flops_per_token, peak, world,
-                 master, forget_peak=None):
+                 master):
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=max_iters, initial=start_iter, dynamic_ncols=True, unit="it",
                         disable=not master or not self.interactive)
@@ -37,7 +37,6 @@ class Progress:
         self.tokens_per_iter, self.tok_s = tokens_per_iter, None
         # MFU is per device: the FLOPs of one device's share of the tokens over its peak
         self.mfu_per_tok = flops_per_token / world / peak if peak else None
-        self.forget_peak = forget_peak
 
     def log(self, iter_num, loss, grad_norm, dt):
         rate = self.tokens_per_iter / dt
@@ -50,10 +49,7 @@ class Progress:
                 self.mfu_per_tok = mfu = None
                 self.write("note: MFU came out above 100%: the peak it is measured against is "
                            "too low (timed while the machine was busy?); MFU is n/a for this "
-                           "run" + (", and the peak is timed again next run"
-                                    if self.forget_peak else ""))
-                if self.forget_peak:
-                    self.forget_peak()
+                           "run")
             post["tok/s"] = f"{self.tok_s:,.0f}"  # all ranks together
             post["mfu"] = f"{100 * mfu:.1f}%" if mfu else "n/a"
         if self.interactive:

@@ -5,7 +5,8 @@ import json
 import os
 from pathlib import Path
 
-from lib.checkpoint import misfit, read, rescale, set_rng_state
+from lib.checkpoint import misfit, read, rescale
+from lib.saving import set_rng_state
 from lib.common import UserError, atomic_write
 from model import RoFormerConfig
 

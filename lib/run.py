@@ -13,7 +13,8 @@ import uuid
 import torch
 
 from lib import run_tokenizer
-from lib.common import UserError, created_files, file_sha256, make_out_dir
+from lib.common import (UserError, atomic_write, created_files, device_memory, file_sha256,
+                        make_out_dir)
 
 
 def barrier(ddp):
@@ -34,6 +35,22 @@ def tokenizer_identity(dataset, data_dir, ddir, meta):
             "sha256": file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
             "bos_id": meta.get("bos_id")}
+
+
+def keep_tokenizer(out_dir, identity):
+    """Copy the dataset's tokenizer (train.py's record `identity`) into out_dir, atomically,
+    unless the run's copy is already there; a dataset without one has nothing to copy."""
+    path, want = os.path.join(out_dir, run_tokenizer.NAME), identity.get("sha256")
+    if not want or run_tokenizer.sha256(path) == want:
+        return
+    try:
+        changed = atomic_write(path, lambda tmp: shutil.copyfile(identity["path"], tmp),
+                               check=lambda tmp: None if run_tokenizer.sha256(tmp) == want else
+                               f"{identity['path']} changed since the run started")
+    except OSError as e:
+        raise UserError(f"cannot copy the tokenizer into {path}: {e.strerror or e}") from None
+    if changed:
+        raise UserError(f"cannot copy the tokenizer into {path}: {changed}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -114,18 +131,13 @@ def check_fits(need, dev):
     """Refuse, before anything is allocated, a run that needs more than all of the device's
     memory (the CPU's RAM shared by this machine's ranks; a GPU's total): it would only end
     in the allocator, or swap for minutes first. Only the clearly impossible is refused."""
-    if dev.type == "cuda":
-        total, where = torch.cuda.mem_get_info(dev)[1], f"on {dev}"
-    elif dev.type == "cpu":
-        try:
-            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no answer
-            return
-        procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        total, where = total // procs, "of RAM" + (f" per process ({procs} share this "
-                                                   f"machine)" if procs > 1 else "")
-    else:
+    total = device_memory(dev) if dev.type in ("cuda", "cpu") else None
+    if total is None:
         return
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if dev.type == "cpu" else 1
+    total //= procs
+    where = f"on {dev}" if dev.type == "cuda" else "of RAM" + (
+        f" per process ({procs} share this machine)" if procs > 1 else "")
     if need > total:
         gib = lambda n: f"{n / 2 ** 30:,.1f} GiB"  # noqa: E731
         raise UserError(f"this model and batch need about {gib(need)} per process, more than "

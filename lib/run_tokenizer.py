@@ -1,13 +1,13 @@
-"""A run's tokenizer. train.py keeps a copy of the dataset's tokenizer.model in out_dir, so that a
-run folder needs nothing outside itself (a later prepare into the dataset folder may replace the
-dataset's); `find` is the one place that locates a run's tokenizer file (sample.py, eval.py,
-export.py, prepare --tokenizer=RUN), always checked by the sha256 the checkpoint records.
+"""A run's tokenizer file: its name, its sha256, parsing it, and where older runs kept it.
+train.py keeps a copy of the dataset's tokenizer.model in out_dir (lib/run.py's
+keep_tokenizer), so that a run folder needs nothing outside itself (a later prepare into the
+dataset folder may replace the dataset's); lib/load.py's find_tokenizer is the one place that
+locates a run's tokenizer (sample.py, eval.py, export.py, prepare --tokenizer=RUN), always
+checked by the sha256 the checkpoint records.
 Imports only lib/common.py (data/ calls it too), and sentencepiece only where a file is parsed."""
 import os
-import shutil
-import sys
 
-from lib.common import REPO, UserError, atomic_write, file_sha256
+from lib.common import REPO, UserError, file_sha256
 
 NAME = "tokenizer.model"  # in a dataset folder and in a run folder alike
 
@@ -32,22 +32,6 @@ def load(path):
                         f"({str(e).splitlines()[0]}); truncated, or not a tokenizer.model")
 
 
-def keep(out_dir, identity):
-    """Copy the dataset's tokenizer (train.py's record `identity`) into out_dir, atomically,
-    unless the run's copy is already there; a dataset without one has nothing to copy."""
-    path = os.path.join(out_dir, NAME)
-    if not identity.get("sha256") or sha256(path) == identity["sha256"]:
-        return
-    try:
-        changed = atomic_write(path, lambda tmp: shutil.copyfile(identity["path"], tmp),
-                               check=lambda tmp: None if sha256(tmp) == identity["sha256"] else
-                               f"{identity['path']} changed since the run started")
-    except OSError as e:
-        raise UserError(f"cannot copy the tokenizer into {path}: {e.strerror or e}") from None
-    if changed:
-        raise UserError(f"cannot copy the tokenizer into {path}: {changed}")
-
-
 def recorded_places(info):
     """Where a run from before run folders has its tokenizer: the path train.py recorded (in the
     dataset folder it read), then data/<dataset>/ next to the scripts."""
@@ -58,35 +42,3 @@ def folder_read(info):
     """The dataset folder the run read, for a hint (never --dataset's name alone: a run trained
     with --data_dir did not read data/<dataset>)."""
     return os.path.dirname(info.get("path") or "") or f"data/{info.get('dataset')}"
-
-
-def find(run_dir, info, override=""):
-    """The path of the tokenizer of the run in `run_dir` whose checkpoint records `info`: the
-    `override` path if given, else run_dir's copy, else (older runs) recorded_places. The first
-    file whose sha256 is the recorded one wins; another tokenizer would silently turn the
-    model's ids into wrong text."""
-    if not isinstance(info, dict) or not info.get("sha256"):
-        if not override:  # trained from a dataset without tokenizer.model: nothing to check
-            raise UserError("the checkpoint records no tokenizer; pass --tokenizer=PATH")
-        print(f"note: the checkpoint records no tokenizer hash; trusting {override}",
-              file=sys.stderr)
-        return override
-    recorded = info.get("path") or ""
-    candidates = [override] if override else [os.path.join(run_dir, NAME)] + recorded_places(info)
-    mismatched = []
-    for path in filter(os.path.isfile, filter(None, candidates)):
-        if file_sha256(path) == info["sha256"]:
-            return path
-        mismatched.append(path)
-    if mismatched and not override and recorded and not os.path.isfile(recorded):
-        # The run's file is gone (moved, most likely); one found elsewhere is another
-        # tokenizer, which says nothing about the run's having been retrained.
-        raise UserError(f"the run's tokenizer {recorded} is missing (moved or deleted), and "
-                        f"{mismatched[0]} is another tokenizer; pass the run's with "
-                        f"--tokenizer=PATH")
-    if mismatched:
-        raise UserError(f"tokenizer {mismatched[0]} does not match the checkpoint (sha256 "
-                        f"differs from {info['sha256'][:12]}...); it was retrained since, so "
-                        f"rebuild that dataset or pass the original with --tokenizer=PATH")
-    raise UserError(f"tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
-                    f"the run's dataset {folder_read(info)} again or pass --tokenizer=PATH")

@@ -1,4 +1,4 @@
-"""lib/checkpoint.py, the one module that reads and writes checkpoints, and lib/load.py's load_run: its RoPE scaling
+"""lib/checkpoint.py and lib/saving.py, which read and write checkpoints, and lib/load.py's load_run: its RoPE scaling
 overrides against a model built with that scaling directly, files that are not checkpoints, a
 full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
 the training device/dtype rules of lib/common.pick_device. A mistake is a UserError whose
@@ -15,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib import checkpoint, common  # noqa: E402
+from lib import checkpoint, common, saving  # noqa: E402
 from lib.common import UserError  # noqa: E402
 from lib.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
@@ -145,7 +145,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     previous one, no temp file."""
     path = str(tmp_path / "ckpt.pt")
     first = {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1}
-    checkpoint.commit(path, first)
+    saving.commit(path, first)
     before = open(path, "rb").read()
 
     def full_disk(obj, f, *args, **kwargs):
@@ -153,7 +153,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(UserError) as e:
-        checkpoint.commit(path, dict(first, iter_num=2))
+        saving.commit(path, dict(first, iter_num=2))
     assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
     assert open(path, "rb").read() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
@@ -172,7 +172,7 @@ def test_temp_names_are_the_processs_own_and_crashed_saves_are_cleaned(tmp_path,
     renamed = []
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(a), real(a, b)))
-    checkpoint.commit(path, {"model": {"w": torch.ones(3)}, "model_args": {}})
+    saving.commit(path, {"model": {"w": torch.ones(3)}, "model_args": {}})
     assert renamed == [str(tmp_path / f".ckpt.pt.{os.getpid()}.tmp")]
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "log.jsonl"]
     assert torch.equal(checkpoint.read(path)["model"]["w"], torch.ones(3))
@@ -217,12 +217,12 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_until_the_first_dies(tmp_
 FILL_TMPFS = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
-from lib import checkpoint
+from lib import saving
 from lib.common import UserError
 path = os.path.join({mnt!r}, "ckpt.pt")
-checkpoint.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
+saving.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
 try:
-    checkpoint.commit(path, {{"model": {{"w": torch.ones(1_000_000)}}, "model_args": {{}}}})
+    saving.commit(path, {{"model": {{"w": torch.ones(1_000_000)}}, "model_args": {{}}}})
 except UserError as e:
     print(e)
 """

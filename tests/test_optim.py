@@ -15,7 +15,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from lib.optim import Muon, build_optimizer, orthogonalise  # noqa: E402
+from lib.muon import Muon, orthogonalise  # noqa: E402
+from lib.optim import build_optimizer  # noqa: E402
 from lib.common import UserError  # noqa: E402
 
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")

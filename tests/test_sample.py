@@ -5,6 +5,7 @@ of random id sequences. The checkpoints are made here by training a few steps wi
 train.py on a tiny corpus and a tiny sentencepiece tokenizer built in the test.
 """
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -478,3 +479,16 @@ def test_prompt_the_tokenizer_cannot_encode(ws, capsys, tmp_path):
     torch.save(ckpt, tmp_path / "ckpt.pt")
     msg = err(capsys, f"--out_dir={tmp_path}", "--start=def ☃(x):")
     assert "cannot encode" in msg and "☃" in msg
+
+
+def test_sampling_imports_no_training_code():
+    """sample.py reads a run; what writes checkpoints or trains is not imported with it (issue
+    36: the lines of project code a sampled token imports). Reference: the modules a fresh
+    interpreter holds after `import sample`, against the modules train.py imports instead."""
+    code = "import sys, sample; print(' '.join(sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    imported = set(r.stdout.split())
+    assert {"lib.load", "lib.checkpoint"} <= imported
+    for training_only in ("lib.saving", "lib.optim", "lib.run", "lib.progress"):
+        assert importlib.util.find_spec(training_only) and training_only not in imported

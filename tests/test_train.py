@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import glob
 import hashlib
+import importlib.util
 import io
 import json
 import os
@@ -64,7 +65,7 @@ def data(tmp_path_factory):
     return make_data(str(tmp_path_factory.mktemp("data")))
 
 
-# The runs' caches (the CPU peak, lib/mfu.py) in a folder of this test session, not the user's
+# The runs' XDG_CACHE_HOME: a folder of this test session, not the user's
 CACHE = tempfile.mkdtemp(prefix="roformer-test-cache-")
 atexit.register(shutil.rmtree, CACHE, True)
 
@@ -193,6 +194,30 @@ def test_loss_falls_and_checkpoint_format(data, tmp_path, attention):
     assert not any(k.startswith("_orig_mod") for k in ck["model"])
     assert {"torch", "numpy", "python"} <= set(ck["rng"]) and ck["scaler"] is None
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+def imported_by_run(*args):
+    """The project modules a one-iteration run imported (`python -X importtime` lists each)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", TRAIN, *TINY, "--max_iters=1",
+                        "--eval_iters=1", *args], capture_output=True, text=True, cwd=ROOT,
+                       env=env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
+
+
+# module -> a flag whose path needs it (None: torchrun's, a GPU's): a plain one-process run
+# never runs it, so never imports it (issue 36: the lines of project code a run imports)
+OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon", "lib.torchrun_errors": None,
+                    "lib.gpu_peaks": None}
+
+
+def test_a_plain_run_imports_no_optional_module(data, tmp_path):
+    plain = imported_by_run(f"--data_dir={data}", f"--out_dir={tmp_path / 'plain'}")
+    assert "lib.optim" in plain and not plain & set(OPTIONAL_MODULES)
+    for module, flag in OPTIONAL_MODULES.items():  # and the path that needs one imports it
+        assert importlib.util.find_spec(module)
+        assert not flag or module in imported_by_run(f"--data_dir={data}",
+                                                     f"--out_dir={tmp_path / module}", flag)
 
 
 def test_a_split_of_exactly_block_size_plus_one_tokens_trains(tmp_path):
