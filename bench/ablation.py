@@ -56,6 +56,8 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from runs import finished, read_log, write_atomic  # noqa: E402
 
 # variant name -> the train.py keys that define it; everything else is shared
 VARIANTS = {
@@ -157,13 +159,6 @@ def parse_args(argv):
     return args
 
 
-def write_atomic(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_csv(path, rows, fields):
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
@@ -199,26 +194,6 @@ def train_command(args, run):
     # extra arguments come last, so they override ours
     return ([sys.executable, os.path.join(ROOT, "train.py")]
             + [f"--{k}={v}" for k, v in keys.items()] + list(args.train_extra))
-
-
-def read_log(run_dir):
-    path = os.path.join(run_dir, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def finished(run, cmd, max_iters):
-    """A run can be reused if it ran this exact command to the end."""
-    try:
-        with open(os.path.join(run["dir"], "ablation_cmd.json")) as f:
-            same = json.load(f) == cmd[1:]  # not the interpreter's path
-    except (OSError, ValueError):
-        return False
-    log = read_log(run["dir"])
-    return (same and os.path.exists(os.path.join(run["dir"], "ckpt.pt"))
-            and bool(log) and log[-1]["iter"] >= max_iters)
 
 
 def train_all(args, runs):

@@ -64,7 +64,7 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import ablation  # noqa: E402  (its run helpers: read_log, finished, write_atomic)
+import runs as bench_runs  # noqa: E402  (read_log, finished, write_atomic: shared with ablation.py)
 from lib.common import UserError, cli  # noqa: E402
 
 # The default model and budget when no config file is given: config/small.py's recipe, smaller
@@ -90,7 +90,7 @@ def parse_args(argv):
     ap.add_argument("--eval_tokens", type=int, default=16384, help="held-out tokens scored")
     ap.add_argument("--dataset", default="pystdlib")
     ap.add_argument("--data_dir", default="", help="default: data/<dataset>")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto", help="as train.py: cuda where there is one")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "compare"))
     ap.add_argument("--retrain", action="store_true", help="ignore finished runs in --out")
     args, extra = ap.parse_known_args(argv)
@@ -296,7 +296,7 @@ def train_and_score(args, run, data):
     run['result'], or a one-line reason in run['arm']['broken']."""
     arm, cmd = run["arm"], train_command(args, run, data)
     stats_path = os.path.join(run["dir"], "compare_run.json")
-    if not args.retrain and ablation.finished(run, cmd, args.max_iters) \
+    if not args.retrain and bench_runs.finished(run, cmd, args.max_iters) \
             and os.path.exists(stats_path):
         with open(stats_path) as f:
             run["result"] = json.load(f)
@@ -316,14 +316,14 @@ def train_and_score(args, run, data):
         return "failed"
     with open(score_out) as f:
         score = json.loads([ln for ln in f if ln.startswith("{")][-1])
-    log = ablation.read_log(run["dir"])
+    log = bench_runs.read_log(run["dir"])
     run["result"] = {"seed": run["seed"], "loss": score["nats_per_token"],
                      "bpb": score["bits_per_byte"], "scored_tokens": score["tokens"],
                      "tokens": log[-1]["tokens"], "train_s": log[-1]["time_s"],
                      "tokens_per_s": log[-1]["tokens"] / log[-1]["time_s"],
                      "peak_rss_mib": rss, "params": count_params(run["dir"])}
-    ablation.write_atomic(stats_path, json.dumps(run["result"]))
-    ablation.write_atomic(os.path.join(run["dir"], "ablation_cmd.json"), json.dumps(cmd[1:]))
+    bench_runs.write_atomic(stats_path, json.dumps(run["result"]))
+    bench_runs.write_atomic(os.path.join(run["dir"], "ablation_cmd.json"), json.dumps(cmd[1:]))
     return "trained"
 
 
@@ -429,7 +429,7 @@ def time_to(log, target):
 def arm_records(args, arms, runs):
     by_arm = {a["name"]: [r for r in runs if r["arm"] is a and "result" in r] for a in arms}
     base = {r["pair"]: r["result"] for r in by_arm[arms[0]["name"]]}
-    base_logs = [ablation.read_log(r["dir"]) for r in by_arm[arms[0]["name"]]]
+    base_logs = [bench_runs.read_log(r["dir"]) for r in by_arm[arms[0]["name"]]]
     target = (sum(lg[-1]["val_loss"] for lg in base_logs) / len(base_logs)) if base_logs else None
     base_tps = mean_std([r["tokens_per_s"] for r in base.values()])[0]
     base_rss = mean_std([r["peak_rss_mib"] for r in base.values()])[0]
@@ -442,7 +442,7 @@ def arm_records(args, arms, runs):
         if res and not arm["broken"]:
             pairs = [(r["result"], base[r["pair"]]) for r in by_arm[arm["name"]]
                      if r["pair"] in base]
-            reach = [time_to(ablation.read_log(r["dir"]), target) for r in by_arm[arm["name"]]]
+            reach = [time_to(bench_runs.read_log(r["dir"]), target) for r in by_arm[arm["name"]]]
             tps = mean_std([r["tokens_per_s"] for r in res])[0]
             rss = mean_std([r["peak_rss_mib"] for r in res])[0]
             for key in ("loss", "bpb"):
@@ -501,7 +501,7 @@ def plot(args, arms, runs):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for arm in arms:
-        logs = [ablation.read_log(r["dir"]) for r in runs if r["arm"] is arm and "result" in r]
+        logs = [bench_runs.read_log(r["dir"]) for r in runs if r["arm"] is arm and "result" in r]
         if arm["broken"] or not logs:
             continue
         n = min(len(lg) for lg in logs)
@@ -547,8 +547,8 @@ def main(argv):
         f"{args.src_data}/val.bin scored by eval.py (float32). Δ: arm − base, paired by seed "
         f"(t-test over seeds). Ratios: arm / base. Wall time of this invocation: "
         f"{(time.time() - t0) / 60:.1f} min.", "", table(records), ""])
-    ablation.write_atomic(os.path.join(args.out, "results.json"), json.dumps(records, indent=1))
-    ablation.write_atomic(os.path.join(args.out, "results.md"), md)
+    bench_runs.write_atomic(os.path.join(args.out, "results.json"), json.dumps(records, indent=1))
+    bench_runs.write_atomic(os.path.join(args.out, "results.md"), md)
     png = plot(args, arms, runs)
     print(md)
     print(f"wrote {args.out}/results.json, results.md" + (", compare.png" if png else ""))
