@@ -30,7 +30,9 @@ from data.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
-from lib.common import UserError, cli, configure, device_memory, pick_device
+from lib.common import UserError, cli
+from lib.config import configure
+from lib.device import device_memory, pick_device
 from lib.load import dataset_dir, describe, load_run
 from lib.run_tokenizer import folder_read
 from model import KVCache

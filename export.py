@@ -22,7 +22,9 @@ import torch.nn as nn
 
 from data.dataset import open_split
 from lib import hf as hf_files, neox
-from lib.common import UserError, atomic_write, cli, configure
+from lib.common import UserError, cli
+from lib.config import configure
+from lib.files import atomic_write
 from lib.hf import (hf_tokenizer, need, neox_config, neox_weights,  # noqa: F401 (export.*)
                     sentencepiece_proto, tokenizer_config)
 from lib.load import dataset_dir, load_run

@@ -18,7 +18,9 @@ import time
 import torch
 
 from lib import decode
-from lib.common import UserError, check_seed, cli, configure, pick_device
+from lib.common import UserError, cli
+from lib.config import check_seed, configure
+from lib.device import pick_device
 from lib.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ and evaluation (its own fixed generator) never disturbs training.
 
 Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, preconditions),
 lib/progress.py, lib/mfu.py, lib/build.py (the model), lib/optim.py (AdamW, Muon, their rules),
-lib/saving.py, lib/common.py (config, device/dtype, one-line errors); when used,
+lib/saving.py, lib/config.py, lib/device.py, lib/common.py (one-line errors); when used,
 lib/resume.py (from a checkpoint), lib/parallel.py (torchrun), lib/wandb_run.py.
 """
 import contextlib
@@ -34,7 +34,9 @@ import torch
 from data.dataset import check_split_sizes, open_dataset, open_split
 from lib import common, mfu, optim, run, saving
 from lib.build import build_model
-from lib.common import UserError, configure
+from lib.common import UserError
+from lib.config import check_seed, configure
+from lib.device import pick_device
 from lib.progress import Progress, stop_on_signals
 from model import RoFormerConfig
 
@@ -107,7 +109,7 @@ for keys, ok, rule in [  # 0 is meaningful for the second group: 0 iterations ev
 if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
     raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
                     f"rate would rise while it decays; lower --min_lr as well")
-common.check_seed(seed)
+check_seed(seed)
 if not init_from:
     raise UserError("init_from must be 'scratch', 'resume' or a run folder or checkpoint file")
 if warmup_iters > lr_decay_iters:
@@ -135,7 +137,7 @@ if wandb_log and master:
     wandb_run.check()
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
-dev, dtype = common.pick_device(device, dtype, training=True)
+dev, dtype = pick_device(device, dtype, training=True)
 if fsdp and dtype == "float16":
     raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
 dtype = optim.training_dtype(optimizer, dtype, config["dtype"])

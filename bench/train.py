@@ -65,7 +65,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.common import UserError, configure  # noqa: E402
+from lib.common import UserError  # noqa: E402
+from lib.config import configure  # noqa: E402
 from lib.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402

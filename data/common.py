@@ -26,7 +26,8 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib.common import REPO, UserError, check_seed, cli, error_line
+from lib.common import REPO, UserError, cli, error_line
+from lib.config import check_seed
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 

@@ -1,11 +1,11 @@
-"""Stage 6: writing. Every output goes to a hidden temp name and is published (lib/common.py:
+"""Stage 6: writing. Every output goes to a hidden temp name and is published (lib/files.py:
 fsync, rename, fsync the folder) at the end, meta.json last, so a folder with meta.json is
 complete; a failure removes the temp files and leaves the dataset already there as it was."""
 import json
 import os
 
 from data.shared import OUTPUTS
-from lib import common
+from lib import files
 from lib.common import UserError
 
 # Fields every meta.json prepare ever wrote holds: a folder whose meta.json has them is its own.
@@ -31,7 +31,7 @@ def check_own_folder(out_dir):
 def make_out_dir(out_dir):
     """Create out_dir if needed, prove it writable, and remove the temp files of an earlier run
     that was killed outright (SIGKILL). Returns True when this call created the folder."""
-    created = common.make_out_dir(out_dir, "output folder")
+    created = files.make_out_dir(out_dir, "output folder")
     for fn in os.listdir(out_dir):
         if any(fn.startswith(f".{out}.tmp.") for out in OUTPUTS):
             os.remove(os.path.join(out_dir, fn))
@@ -65,7 +65,7 @@ def commit(tmps, out_dir):
     if os.path.exists(final["meta.json"]):
         os.remove(final["meta.json"])
     for fn in OUTPUTS:
-        common.publish(tmps[fn], final[fn])
+        files.publish(tmps[fn], final[fn])
 
 
 def remove_partial(tmps, out_dir, created):

@@ -25,7 +25,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lib.saving import commit
-from lib.common import UserError, excepthook, fsync
+from lib.common import UserError, excepthook
+from lib.files import fsync
 
 
 def ranks(gradient_accumulation_steps):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from lib.checkpoint import misfit, read, rescale
 from lib.saving import set_rng_state
-from lib.common import UserError, atomic_write
+from lib.common import UserError
+from lib.files import atomic_write
 from model import RoFormerConfig
 
 

@@ -13,8 +13,9 @@ import uuid
 import torch
 
 from lib import run_tokenizer
-from lib.common import (UserError, atomic_write, created_files, device_memory, file_sha256,
-                        make_out_dir)
+from lib.common import UserError, created_files
+from lib.device import device_memory
+from lib.files import atomic_write, make_out_dir
 
 
 def barrier(ddp):
@@ -32,7 +33,7 @@ def tokenizer_identity(dataset, data_dir, ddir, meta):
     if os.path.exists(path):  # one line now, not a sentencepiece error at the first sample
         run_tokenizer.load(path)
     return {"dataset": dataset, "data_dir": data_dir, "path": path,
-            "sha256": file_sha256(path) if os.path.exists(path) else None,
+            "sha256": run_tokenizer.file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
             "bos_id": meta.get("bos_id")}
 

@@ -5,11 +5,22 @@ dataset folder may replace the dataset's); lib/load.py's find_tokenizer is the o
 locates a run's tokenizer (sample.py, eval.py, export.py, prepare --tokenizer=RUN), always
 checked by the sha256 the checkpoint records.
 Imports only lib/common.py (data/ calls it too), and sentencepiece only where a file is parsed."""
+import hashlib
 import os
 
-from lib.common import REPO, UserError, file_sha256
+from lib.common import REPO, UserError
 
 NAME = "tokenizer.model"  # in a dataset folder and in a run folder alike
+
+
+def file_sha256(path):
+    """A tokenizer's identity: train.py records it, sample.py checks it, so a retrained
+    tokenizer never silently turns ids into the wrong text."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def sha256(path):

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from lib.checkpoint import read
-from lib.common import UserError, atomic_write, remove
+from lib.common import UserError
+from lib.files import atomic_write, remove
 
 
 def rng_state():

@@ -1,7 +1,7 @@
 """lib/checkpoint.py and lib/saving.py, which read and write checkpoints, and lib/load.py's load_run: its RoPE scaling
 overrides against a model built with that scaling directly, files that are not checkpoints, a
 full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
-the training device/dtype rules of lib/common.pick_device. A mistake is a UserError whose
+the training device/dtype rules of lib/device.pick_device. A mistake is a UserError whose
 message the scripts print as the one line `error: ...`."""
 import errno
 import hashlib
@@ -15,7 +15,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib import checkpoint, common, saving  # noqa: E402
+import lib.device  # noqa: E402
+from lib import checkpoint, saving  # noqa: E402
 from lib.common import UserError  # noqa: E402
 from lib.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
@@ -252,16 +253,16 @@ def test_pick_device_rules_for_training_and_decoding(monkeypatch):
     """One resolver: training takes bf16 autocast on a CPU with native bf16 matmuls, decoding
     stays float32 on the CPU; float16 needs CUDA for training (its GradScaler)."""
     for native in (True, False):
-        monkeypatch.setattr(common, "cpu_has_bf16", lambda native=native: native)
-        dev, dtype = common.pick_device("cpu", "auto", training=True)
+        monkeypatch.setattr(lib.device, "cpu_has_bf16", lambda native=native: native)
+        dev, dtype = lib.device.pick_device("cpu", "auto", training=True)
         assert dev.type == "cpu" and dtype == ("bfloat16" if native else "float32")
-        assert common.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
+        assert lib.device.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
     with pytest.raises(UserError, match="float16 needs CUDA"):
-        common.pick_device("cpu", "float16", training=True)
+        lib.device.pick_device("cpu", "float16", training=True)
     with pytest.raises(UserError, match="dtype must be"):
-        common.pick_device("cpu", "int8")
+        lib.device.pick_device("cpu", "int8")
     with pytest.raises(UserError, match="unknown device"):
-        common.pick_device("gpu0")
+        lib.device.pick_device("gpu0")
 
 
 @pytest.mark.parametrize("device", ["meta", "xpu", "mps", "cuda", "CUDA_PAST_THE_LAST"])
@@ -275,9 +276,9 @@ def test_a_device_that_is_not_here_is_one_line(device):
             "cuda": torch.cuda.is_available()}.get(device, False)
     for training in (True, False):
         if here:
-            assert common.pick_device(device, "float32", training)[0].type == device
+            assert lib.device.pick_device(device, "float32", training)[0].type == device
             continue
         with pytest.raises(UserError) as e:
-            common.pick_device(device, "float32", training)
+            lib.device.pick_device(device, "float32", training)
         msg = str(e.value)
         assert device in msg and "\n" not in msg

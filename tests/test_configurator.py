@@ -1,4 +1,4 @@
-"""lib/common.configure: the precedence defaults < config files < --key=value, type checks
+"""lib/config.configure: the precedence defaults < config files < --key=value, type checks
 against the defaults, and one-line errors that name the key."""
 import hashlib
 import os
@@ -7,7 +7,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.common import UserError as ConfigError, configure, file_sha256  # noqa: E402
+from lib.common import UserError as ConfigError  # noqa: E402
+from lib.config import configure  # noqa: E402
+from lib.run_tokenizer import file_sha256  # noqa: E402
 
 DEFAULTS = {"batch_size": 16, "learning_rate": 6e-4, "compile": True, "device": "auto",
             "out_dir": "out"}
@@ -144,7 +146,7 @@ def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
     Checked against a stand-in for torch's query, since no GPU runs these tests."""
     import torch
-    from lib.common import cuda_autocast_dtype
+    from lib.device import cuda_autocast_dtype
     for native, want in ((False, "float16"), (True, "bfloat16")):
         def query(including_emulation=True, native=native):
             return native or including_emulation  # emulation always "works"

@@ -53,3 +53,26 @@ def test_imports_run_one_way_between_layers():
             if m.startswith("lib.")}
     assert not {m: d for m, d in back.items() if d}
     assert g["model"] <= {"baselines", "caches"} and g["baselines"] == g["caches"] == set()
+
+
+def test_the_shared_modules_import_only_lib_common():
+    """lib/common.py (UserError and its one line) imports nothing of the project but, lazily
+    under torchrun, lib/torchrun_errors.py; the config parser, the device resolver and the file
+    writers import only lib/common.py, so any script takes one without the others."""
+    g = graph()
+    assert g["lib.common"] <= {"lib.torchrun_errors"}
+    assert g["lib.config"] == g["lib.device"] == g["lib.files"] == {"lib.common"}
+
+
+def test_sampling_does_not_load_the_file_writers():
+    """sample.py writes no file: no module it imports, lazily or not, defines the atomic
+    writes (as lib/common.py did while it held them)."""
+    known = project_modules()
+    seen, todo = set(), list(imports(REPO / "sample.py", known))
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += imports(known[name], known)
+    writers = [m for m in seen if "def atomic_write(" in known[m].read_text()]
+    assert "lib.load" in seen and not writers, writers

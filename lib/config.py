@@ -1,0 +1,112 @@
+"""The config parser, nanoGPT style: a script's module-level defaults, then config files (plain
+Python that assigns variables), then --key=value; a mistake is one line that names the key.
+Also the one seed rule every script checks its --seed against. Imports of the project only
+lib/common.py (UserError)."""
+import ast
+import difflib
+import math
+import os
+import traceback
+
+from lib.common import UserError
+
+SCALARS = (bool, int, float, str, type(None))
+
+
+def unknown_key(key, known):
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return UserError(f"unknown config key '{key}'{hint}")
+
+
+def coerce(key, value, default):
+    """`value` checked against the type of the default; ints are accepted where floats are."""
+    if not isinstance(value, SCALARS):  # a tuple or list would otherwise pass unnoticed
+        raise UserError(f"config key '{key}' takes a single {type(default).__name__} value, "
+                        f"got {value!r} ({type(value).__name__})")
+    if default is None:
+        return value
+    if type(default) is float and type(value) is int:
+        try:
+            value = float(value)
+        except OverflowError:  # an int past float's range (10**400): refused below
+            value = math.inf
+    if type(value) is not type(default):
+        raise UserError(f"config key '{key}' must be {type(default).__name__} (default "
+                        f"{default!r}), got {value!r} ({type(value).__name__})")
+    if type(value) is float and not math.isfinite(value):  # 1e999 reads as inf; no key takes it
+        raise UserError(f"config key '{key}' must be a finite number, got {value!r}")
+    return value
+
+
+def parse_value(key, text, default):
+    """The text after '=': for a string key exactly as typed (quotes kept, --start=42 is text);
+    otherwise a Python literal (or true/false for a boolean)."""
+    if isinstance(default, str):
+        return text
+    if isinstance(default, bool) and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if default is None:
+            return text
+        raise UserError(f"config key '{key}': cannot read {text!r} as a "
+                        f"{type(default).__name__}") from None
+
+
+def run_config_file(path):
+    """The names the config file `path` assigns; an error in it names the file and line."""
+    scope = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), scope)
+    except SyntaxError as e:
+        raise UserError(f"{path}, line {e.lineno}: syntax error: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read config file {path}: {e}") from None
+    except Exception as e:  # raised while the file ran: the deepest line of that file
+        lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        where = f", line {lines[-1]}" if lines else ""
+        raise UserError(f"{path}{where}: {type(e).__name__}: {e}") from None
+    return scope
+
+
+def configure(defaults, argv, given=None):
+    """`defaults` (name -> scalar) updated by the config files and --key=value in `argv`. The
+    keys they set are added to the set `given` if one is passed: a key set to its default value
+    is given all the same (train.py's init_from=RUN keeps RUN's value of a key not given)."""
+    config, known = dict(defaults), sorted(defaults)
+    given = set() if given is None else given
+    for arg in argv:
+        if not arg.startswith("--"):  # a config file
+            if not os.path.isfile(arg):
+                raise UserError(f"config file not found: {arg}")
+            for key, value in run_config_file(arg).items():
+                if key.startswith("_") or (key not in defaults and not isinstance(value, SCALARS)):
+                    continue  # __builtins__, imported modules, helper functions
+                try:
+                    if key not in defaults:
+                        raise unknown_key(key, known)
+                    config[key] = coerce(key, value, defaults[key])
+                    given.add(key)
+                except UserError as e:
+                    raise UserError(f"{arg}: {e}") from None
+            continue
+        key, eq, text = arg[2:].partition("=")
+        if key not in defaults:
+            raise unknown_key(key, known)
+        if not eq:  # a bare --flag sets a boolean
+            if not isinstance(defaults[key], bool):
+                raise UserError(f"config key '{key}' needs a value: --{key}=...")
+            text = "true"
+        config[key] = coerce(key, parse_value(key, text, defaults[key]), defaults[key])
+        given.add(key)
+    return config
+
+
+def check_seed(seed):
+    """The one seed rule (train, sample, prepare): numpy takes no negative seed, and
+    torch.Generator.manual_seed and data/'s seed keys (shared.mix64) are 64-bit unsigned."""
+    if not 0 <= seed < 2 ** 64:
+        raise UserError(f"seed must be from 0 to 2**64 - 1, got {seed}")
