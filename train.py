@@ -15,10 +15,9 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py; data/dataset.py; lib/run.py (ids, out_dir, log.jsonl, preconditions),
-lib/progress.py, lib/mfu.py, lib/build.py (the model), lib/optim.py (AdamW, Muon, their rules),
-lib/saving.py, lib/config.py, lib/device.py, lib/common.py (one-line errors); when used,
-lib/resume.py (from a checkpoint), lib/parallel.py (torchrun), lib/wandb_run.py.
+Elsewhere: model.py, data/dataset.py, lib/: run.py (ids, out_dir, log.jsonl, preconditions),
+progress.py, mfu.py, build.py (the model), optim.py (AdamW, Muon, their rules), saving.py,
+config.py, device.py, common.py (one-line errors); when used, resume.py, parallel.py, wandb_run.py.
 """
 import contextlib
 import dataclasses
