@@ -133,8 +133,9 @@ def check_positions(cfg):
          f"window > 0 and a finite base > 1"),
         (cfg.global_every and not cfg.window, f"global_every={cfg.global_every} picks the "
          f"layers that see the whole context among local ones: it needs window > 0"),
-        (cfg.attention == "linear" and (cfg.window or cfg.length_temperature), "window and "
-         "length_temperature act on attention scores, which attention='linear' never forms"),
+        (cfg.attention == "linear" and (cfg.window or cfg.length_temperature),
+         f"{'window' if cfg.window else 'length_temperature'} acts on attention scores, which "
+         "attention='linear' never forms"),
         (not 0 <= cfg.length_temperature < math.inf, f"length_temperature must be finite and "
          f">= 0, got {cfg.length_temperature}")]:
         if wrong:
