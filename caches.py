@@ -8,24 +8,27 @@ import torch
 class KVCache:
     """Per layer the keys and values of `size` positions in preallocated slots used as a ring
     (position p in slot p % size), and each slot's position (-1: empty). Past the window:
-    sliding-window attention (not crop-and-recompute: deeper keys saw older tokens)."""
+    sliding-window attention (not crop-and-recompute: deeper keys saw older tokens). local:
+    {layer: its attention window}, layers that keep (and see) only min(size, window) slots."""
 
-    def __init__(self, n_layer, size, window, device):
+    def __init__(self, n_layer, size, window, device, local=None):
         self.keys, self.values = [None] * n_layer, [None] * n_layer  # (B, H, size, D) each
         self.slot_pos = torch.full((n_layer, size), -1, dtype=torch.long, device=device)
         self.window = window
+        self.windows = [min(window, (local or {}).get(i, window)) for i in range(n_layer)]
 
-    def visible(self, distance, key_pos):  # (queries, keys) bool: causal, inside the window
-        return (key_pos >= 0) & (distance >= 0) & (distance < self.window)
+    def visible(self, distance, key_pos, window=None):  # (queries, keys): causal, in the window
+        return (key_pos >= 0) & (distance >= 0) & (distance < (window or self.window))
 
     def update(self, layer, k, v, pos):
         """Store one layer's new keys and values (positions pos) -> the keys, values, their
         positions and the (queries, keys) visibility that the layer's queries attend with."""
-        empty = self.keys[layer] is None
+        empty, window = self.keys[layer] is None, self.windows[layer]
+        slot_pos = self.slot_pos[layer, :window]  # a view: a local layer's first slots
         if empty:  # allocated by the first forward: its batch and dtype
-            shape = (k.size(0), k.size(1), self.slot_pos.size(1), k.size(3))
+            shape = (k.size(0), k.size(1), slot_pos.numel(), k.size(3))
             self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-        keys, values, slot_pos = self.keys[layer], self.values[layer], self.slot_pos[layer]
+        keys, values = self.keys[layer], self.values[layer]
         size, new = slot_pos.numel(), pos.numel()
         kept = pos[-size:]  # of a chunk longer than the cache, only the last `size` stay
         slots = kept % size
@@ -39,7 +42,7 @@ class KVCache:
                                                          torch.cat((values, v), 2))
         slot_pos[slots] = kept
         keys[:, :, slots], values[:, :, slots] = k[:, :, -size:], v[:, :, -size:]
-        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos)
+        return *seen, key_pos, self.visible(pos[:, None] - key_pos[None, :], key_pos, window)
 
 
 class RecurrentState:

@@ -35,7 +35,6 @@ from lib.config import configure
 from lib.device import device_memory, pick_device
 from lib.load import dataset_dir, describe, load_run
 from lib.run_tokenizer import folder_read
-from model import KVCache
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -96,7 +95,7 @@ def score(model, seqs, stride, batch_size, window=None, band=None):
             x[row, :end - start] = torch.from_numpy(s[start:end])
             y[row, first - start - 1:end - start] = torch.from_numpy(s[first:end + 1])
         # a cache as long as the window, filled by this one forward: only for its band mask
-        cache = KVCache(c.n_layer, window, band, dev) if band else None
+        cache = model.new_cache(window, dev, band) if band else None
         logits = model(x.to(dev), cache=cache)[0].float()
         y = y.to(dev)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1,
@@ -183,7 +182,7 @@ def greedy(model, ids, band, vocab):
     tokens (the model's rolling cache) or, with band None, all of them (a cache that holds all)."""
     c, dev, total = model.config, next(model.parameters()).device, len(ids) + ANSWER
     full = c.attention == "softmax" and not band
-    cache = KVCache(c.n_layer, total, total, dev) if full else model.new_cache(total, dev)
+    cache = model.new_cache(total, dev, total if full else None)
     x, pos, out = torch.tensor([ids], device=dev), 0, []
     for _ in range(ANSWER):
         logits = model(x, cache=cache, start_pos=pos)[0]

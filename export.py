@@ -53,6 +53,10 @@ MAPPED_FIELDS = {
     "attention": ("softmax",), "pos_encoding": ("rope",),
     "feature_map": UNUSED, "linear_chunk": UNUSED, "linear_norm": UNUSED, "rel_clip": UNUSED,
     "t5_buckets": UNUSED, "t5_max_distance": UNUSED,
+    # partial rotary: partial_rotary_factor / rope.dimension_count; GPT-NeoX has no per-layer
+    # NoPE or window and no length temperature (global_every and local_rope_base need a window)
+    "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
+    "local_rope_base": UNUSED, "length_temperature": (0.0,),
 }
 
 

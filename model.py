@@ -42,6 +42,13 @@ class RoFormerConfig:
     rel_clip: int = 16            # shaw: distances beyond this share one embedding
     t5_buckets: int = 32          # t5: number of distance buckets (half exact, half log-spaced)
     t5_max_distance: int = 128    # t5: distances from here on share the last bucket
+    # position designs (docs/MODEL.md); a "k-th" layer: layers k-1, 2k-1, .. counting from 0
+    rotary_fraction: float = 1.0  # RoPE on each head's first head_dim * this channels
+    nope_every: int = 0           # k: every k-th layer rotates nothing (NoPE)
+    window: int = 0               # > 0: local layers see themselves and window-1 keys before
+    global_every: int = 0         # k (with window): every k-th layer sees the whole context
+    local_rope_base: float = 0.0  # local layers' RoPE base, unscaled (0: rope_base)
+    length_temperature: float = 0.0  # q x 1 + this ln(max(1, (pos+1) / original_context))
 
     @property
     def original_context(self):  # a fine-tune at a longer block keeps it: no compounding
@@ -50,6 +57,10 @@ class RoFormerConfig:
     @property
     def context_window(self):  # what a query sees when decoding or scoring
         return max(self.block_size, int(self.original_context * self.rope_factor))
+
+    @property
+    def rotary_dim(self):  # the channels of each head that RoPE rotates (checked: even)
+        return int(self.n_embd // self.n_head * self.rotary_fraction)
 
     @property
     def max_positions(self):  # the longest input the model can run; None: no end
@@ -81,8 +92,9 @@ def check_config(cfg):
     for wrong, why in [
         (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
         (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
-        (rope and cfg.rope_scaling == "ntk" and hd <= 2, "rope_scaling='ntk' raises the base "
-         f"to the power d/(d-2) of the factor: head dim {hd} must be above 2"),
+        (rope and cfg.rope_scaling == "ntk" and cfg.rotary_dim <= 2, "rope_scaling='ntk' raises"
+         " the base to the power d/(d-2) of the factor: "
+         f"{'head' if cfg.rotary_dim == hd else 'rotary'} dim {cfg.rotary_dim} must be above 2"),
         (not 0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}"),
         (not (1.0 < cfg.rope_base < math.inf and 1.0 <= cfg.rope_factor < math.inf),
          f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
@@ -91,6 +103,7 @@ def check_config(cfg):
          " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
         if wrong:
             raise ValueError(why)
+    check_positions(cfg)
     # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
     # base overflows a float (OverflowError) long before: both are factors no one means
     window = cfg.original_context * cfg.rope_factor
@@ -99,6 +112,34 @@ def check_config(cfg):
         raise ValueError(f"rope_factor={cfg.rope_factor:g} is too large: a window of "
                          f"{window:.3g} positions (rope_original x rope_factor) cannot be "
                          f"computed exactly")
+
+
+def check_positions(cfg):
+    """The position designs' fields (docs/MODEL.md), each refused in one line naming it."""
+    r, rope = cfg.n_embd // cfg.n_head * cfg.rotary_fraction, cfg.pos_encoding == "rope"
+    for name, value in (("nope_every", cfg.nope_every), ("window", cfg.window),
+                        ("global_every", cfg.global_every)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    for wrong, why in [
+        (not 0 < cfg.rotary_fraction <= 1 or rope and (r != int(r) or r % 2), f"rotary_fraction="
+         f"{cfg.rotary_fraction:g} must be in (0, 1] and rotate an even number of each head's "
+         f"channels, got {r:g}"),
+        (not rope and (cfg.rotary_fraction != 1 or cfg.nope_every or cfg.local_rope_base),
+         f"rotary_fraction, nope_every and local_rope_base choose how RoPE rotates: "
+         f"pos_encoding={cfg.pos_encoding!r} has no rotation"),
+        (cfg.local_rope_base and not (rope and cfg.window and 1 < cfg.local_rope_base < math.inf),
+         f"local_rope_base={cfg.local_rope_base:g} is the RoPE base of local layers: it needs "
+         f"window > 0 and a finite base > 1"),
+        (cfg.global_every and not cfg.window, f"global_every={cfg.global_every} picks the "
+         f"layers that see the whole context among local ones: it needs window > 0"),
+        (cfg.attention == "linear" and (cfg.window or cfg.length_temperature),
+         f"{'window' if cfg.window else 'length_temperature'} acts on attention scores, which "
+         "attention='linear' never forms"),
+        (not 0 <= cfg.length_temperature < math.inf, f"length_temperature must be finite and "
+         f">= 0, got {cfg.length_temperature}")]:
+        if wrong:
+            raise ValueError(why)
 
 
 @torch.no_grad()
@@ -139,7 +180,11 @@ def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original
 
 def apply_rope(x, cos, sin):
     """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + roll(x, D/2) * sin: three
-    kernels, on tables built once. float32 tables promote a bf16 x: never bf16 angles."""
+    kernels, on tables built once. float32 tables promote a bf16 x: never bf16 angles. Tables
+    narrower than x (rotary_fraction): their r channels turn (i with i + r/2), the rest pass."""
+    r = cos.size(-1)
+    if r < x.size(-1):
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), -1)
     out = torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
@@ -176,7 +221,8 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     k_sum = z.unsqueeze(-2) + fk.cumsum(-2)      # sum of phi(k_n) over n <= m, at every m
     den = (fq * k_sum).sum(-1)
     if cos is not None:  # the guard; without rotation the weights are den's own terms
-        fold = lambda t: t[..., :D // 2] + t[..., D // 2:]  # noqa: E731
+        h = cos.size(-1) // 2  # pairs i, i + h turn; channels past 2h (partial RoPE) do not
+        fold = lambda t: torch.cat((t[..., :h] + t[..., h:2 * h], t[..., 2 * h:]), -1)  # noqa
         den = torch.maximum(den, GUARD * (fold(fq) * fold(k_sum)).sum(-1))
     out = (num / (den.unsqueeze(-1) + eps)).flatten(2, 3)[:, :, :N]
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
@@ -188,14 +234,19 @@ class Positions(NamedTuple):  # what every layer needs to know about one forward
     rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
     bias: Optional[Callable] = None        # (distance, visible) -> scores' bias; relative only
     own: Optional[tuple] = None            # scores(pos), for the chunk's own keys: built once
+    local_rope: Optional[tuple] = None     # (cos, sin) of local layers, if not rope's
+    local_own: Optional[tuple] = None      # scores(pos, window), for local layers' own keys
+    q_scale: Optional[torch.Tensor] = None  # (T, 1) length temperature of each query
 
-    def scores(self, key_pos, visible=None):
+    def scores(self, key_pos, visible=None, window=0):
         """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias with
-        -inf where hidden) and the (queries, keys) distances. visible: the cache's, else causal."""
-        if visible is None and self.bias is None:
+        -inf where hidden) and the (queries, keys) distances. visible: the cache's, else causal
+        (and inside `window`, if given)."""
+        if visible is None and self.bias is None and not window:
             return None, None
         distance = self.pos[:, None] - key_pos[None, :]
-        visible = distance >= 0 if visible is None else visible
+        if visible is None:
+            visible = (distance >= 0) & (distance < window) if window else distance >= 0
         return (visible if self.bias is None else self.bias(distance, visible)), distance
 
 
@@ -203,6 +254,9 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer=0):
         super().__init__()
         self.cfg, self.layer = cfg, layer  # layer: its index in the caches
+        kth = lambda k: k > 0 and (layer + 1) % k == 0  # noqa: E731 (layers k-1, 2k-1, ..)
+        self.rotates = not kth(cfg.nope_every)  # NoPE layers: no rotation at all
+        self.window = 0 if kth(cfg.global_every) else cfg.window  # 0: the whole context
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
@@ -210,6 +264,11 @@ class Attention(nn.Module):
         self.rel_k = None  # shaw's table in this layer (baselines.add_tables)
         if cfg.pos_encoding != "rope":
             baselines.add_tables(self, cfg, "attention")
+
+    def rope(self, positions):  # this layer's (cos, sin), None: no rotation
+        if not self.rotates:
+            return None
+        return positions.local_rope if self.window and positions.local_rope else positions.rope
 
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
@@ -219,13 +278,17 @@ class Attention(nn.Module):
 
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
-        q, k = apply_rope(qk, *positions.rope) if positions.rope else qk  # v: not rotated
+        rope = self.rope(positions)
+        q, k = apply_rope(qk, *rope) if rope else qk  # v: not rotated
         v = v.squeeze(0)
+        if positions.q_scale is not None:  # float32 scale, q's dtype after
+            q = (q * positions.q_scale).to(k.dtype)
         if cache is not None:
             k, v, key_pos, visible = cache.update(self.layer, k, v, positions.pos)
             mask, distance = positions.scores(key_pos, visible)
         else:  # the chunk's own keys
-            mask, distance = positions.own or positions.scores(positions.pos)
+            mask, distance = (positions.local_own if self.window else positions.own) or \
+                positions.scores(positions.pos, window=self.window)
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
             mask = mask + self.rel_k(q, distance)
         if mask is not None and mask.is_floating_point():
@@ -238,7 +301,7 @@ class Attention(nn.Module):
         q, k, v = qkv
         # autocast off: the state and denominator must be summed in float32
         with torch.autocast(q.device.type, enabled=False):
-            y, (S, z) = linear_attention(q, k, v, *(positions.rope or (None, None)),
+            y, (S, z) = linear_attention(q, k, v, *(self.rope(positions) or (None, None)),
                                          self.cfg.feature_map, self.cfg.linear_chunk,
                                          None if cache is None else cache.state[self.layer])
             if self.cfg.linear_norm:
@@ -309,10 +372,13 @@ class RoFormer(nn.Module):
             return  # held already, or no fixed table (the other encodings)
         size = len(have) if n <= len(have) else max(n, 2 * len(have))
         pos = torch.arange(start, start + size, device="cpu")  # cpu: also under device("meta")
-        if c.pos_encoding == "rope":
-            tables = dict(zip(("rope_cos", "rope_sin"), rope_table(
-                pos, c.n_embd // c.n_head, c.rope_base, c.rope_scaling, c.rope_factor,
-                c.original_context)))
+        if c.pos_encoding == "rope":  # local layers' table beside, where it differs
+            tables = rope_table(pos, c.rotary_dim, c.rope_base, c.rope_scaling, c.rope_factor,
+                                c.original_context)
+            if self.local_base():
+                tables = map(torch.cat, zip(tables, rope_table(pos, c.rotary_dim,
+                                                               self.local_base())), (-1, -1))
+            tables = dict(zip(("rope_cos", "rope_sin"), tables))
         else:
             tables = {"sin_emb": baselines.sinusoidal_embedding(pos, c.n_embd)}
         for name, rows in tables.items():
@@ -322,6 +388,11 @@ class RoFormer(nn.Module):
             else:
                 setattr(self, name, rows.to(device or have.device))
         self.table_start = start
+
+    def local_base(self):  # local layers' RoPE base where their table is not rope's, else None
+        c = self.config  # unscaled (as Gemma 3's): they see no distance past the window
+        base = c.local_rope_base or c.rope_base
+        return base if c.window and (base != c.rope_base or c.rope_factor != 1) else None
 
     def pos_tables(self, n, device):  # positions 0..n-1 (the tests, bench/decode.py)
         self.hold_positions(0, n, device)
@@ -335,10 +406,12 @@ class RoFormer(nn.Module):
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
         return baselines.position_bias(self, d, visible)
 
-    def new_cache(self, total_len, device):  # for lib/decode.py, which passes it to forward
-        c, w = self.config, self.config.context_window
+    def new_cache(self, total_len, device, window=None):  # for lib/decode.py, which passes it
+        """to forward; window: how far back a query sees (None: the context window)."""
+        c, w = self.config, window or self.config.context_window
+        local = {i: b.attn.window for i, b in enumerate(self.blocks) if b.attn.window}
         return (RecurrentState(c.n_layer) if c.attention == "linear" else
-                KVCache(c.n_layer, min(total_len, w), w, device))
+                KVCache(c.n_layer, min(total_len, w), w, device, local))
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) at positions start_pos.. -> logits (B, T, V), and the mean cross-entropy of
@@ -353,9 +426,8 @@ class RoFormer(nn.Module):
         x, added = self.wte(idx), self.position_embedding(pos, rows)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
-        positions = Positions(pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None)
-        if cache is None:  # every layer attends to the same keys: one mask for all
-            positions = positions._replace(own=positions.scores(pos))
+        positions = self.designs(Positions(
+            pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None), cache)
         for block in self.blocks:
             x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
@@ -363,6 +435,20 @@ class RoFormer(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
                                        targets.reshape(-1), ignore_index=-1)
+
+    def designs(self, positions, cache):  # the position designs' parts of Positions
+        c, r, pos = self.config, self.config.rotary_dim, positions.pos
+        if positions.rope is not None and positions.rope[0].size(-1) > r:  # [rope | local]
+            cos, sin = positions.rope
+            positions = positions._replace(rope=(cos[..., :r], sin[..., :r]),
+                                           local_rope=(cos[..., r:], sin[..., r:]))
+        if c.length_temperature:  # 1 inside the trained context: training at 1x is unchanged
+            ratio = ((pos + 1) / c.original_context).clamp(min=1)  # float32 (pos < 2^24 exact)
+            positions = positions._replace(q_scale=1 + c.length_temperature * ratio.log()[:, None])
+        if cache is None:  # every layer of a kind attends to the same keys: one mask each
+            positions = positions._replace(own=positions.scores(pos), local_own=positions.scores(
+                pos, window=c.window) if c.window else None)
+        return positions
 
     def num_params(self, non_embedding=True):  # non_embedding: less wpe (wte is also the head)
         n = sum(p.numel() for p in self.parameters())

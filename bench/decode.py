@@ -19,7 +19,9 @@ Tables:
   3. transformers' RoFormerForCausalLM (same dims, its KV cache, greedy) when transformers is
      installed: its generate vs ours, whole calls, prefill included.
   4. Cached vs uncached loop, and one cached step's latency at positions 128 / 1024 / 4096
-     with the bytes held by the cache (softmax rolling window vs linear attention's state).
+     with the bytes held by the cache (softmax rolling window, the same with local layers that
+     keep only --window slots and every --global_every-th layer global, vs linear attention's
+     recurrent state).
 Ratios from one run are what to quote: the machine may be shared and timings are noisy.
 """
 import argparse
@@ -37,10 +39,10 @@ from lib.decode import generate, generate_stream  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 
-def make(a, attention="softmax", dtype=torch.float32):
+def make(a, attention="softmax", dtype=torch.float32, **designs):
     torch.manual_seed(0)
     cfg = RoFormerConfig(vocab_size=a.vocab_size, block_size=a.block_size, n_layer=a.n_layer,
-                         n_head=a.n_head, n_embd=a.n_embd, attention=attention)
+                         n_head=a.n_head, n_embd=a.n_embd, attention=attention, **designs)
     return RoFormer(cfg).eval().to(dtype)
 
 
@@ -135,6 +137,8 @@ def main():
     for k, v in dict(vocab_size=8192, block_size=256, n_layer=6, n_head=6, n_embd=384).items():
         ap.add_argument(f"--{k}", type=int, default=v)
     ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64, help="table 4b: local layers' window")
+    ap.add_argument("--global_every", type=int, default=6, help="table 4b: every k-th global")
     ap.add_argument("--new_tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", default="1,4,16,64")
@@ -245,10 +249,13 @@ def cached_vs_uncached(a, all_threads):
     print("| attention | " + " | ".join(f"p={p} ms" for p in positions) + " | "
           + " | ".join(f"p={p} cache KiB" for p in positions) + " |")
     print("|---|" + "---:|" * (2 * len(positions)))
-    for attention in ("softmax", "linear"):
-        m = make(a, attention)
+    local = dict(window=a.window, global_every=a.global_every)
+    for label, attention, designs in [
+            ("softmax", "softmax", {}), ("linear", "linear", {}),
+            (f"softmax, window={a.window} global_every={a.global_every}", "softmax", local)]:
+        m = make(a, attention, **designs)
         r = [step_latency(m, p, 32) for p in positions]
-        print(f"| {attention} | " + " | ".join(f"{ms:.2f}" for ms, _ in r) + " | "
+        print(f"| {label} | " + " | ".join(f"{ms:.2f}" for ms, _ in r) + " | "
               + " | ".join(f"{held / 1024:.0f}" for _, held in r) + " |", flush=True)
 
 

@@ -21,11 +21,15 @@ LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which model.py uses
 
 # --- metadata ------------------------------------------------------------------------------
 
+def rotary_dim(c):  # the channels of each head RoPE rotates (a config of old: all)
+    return getattr(c, "rotary_dim", c.n_embd // c.n_head)
+
+
 def rope_metadata(c):
     """(freq_base, llama.cpp's scaling type) for our RoPE: static NTK is plain RoPE with a larger
     base, and "none" is explicit (llama.cpp takes a missing type for "linear"); docs/EXPORT.md."""
-    if c.rope_scaling == "ntk":
-        return ntk_base(c.rope_base, c.rope_factor, c.n_embd // c.n_head), "none"
+    if c.rope_scaling == "ntk":  # over the rotated dims, as llama.cpp's and transformers'
+        return ntk_base(c.rope_base, c.rope_factor, rotary_dim(c)), "none"
     return c.rope_base, c.rope_scaling if c.rope_factor != 1.0 else "none"
 
 
@@ -61,7 +65,7 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
         K.LLM.USE_PARALLEL_RESIDUAL: (False, T.BOOL, None),  # x + attn(ln1(x)), then + mlp(ln2(.))
         K.Attention.HEAD_COUNT: (c.n_head, T.UINT32, None),
         K.Attention.LAYERNORM_EPS: (LAYER_NORM_EPS, T.FLOAT32, None),
-        K.Rope.DIMENSION_COUNT: (c.n_embd // c.n_head, T.UINT32, None),  # the whole head rotates
+        K.Rope.DIMENSION_COUNT: (rotary_dim(c), T.UINT32, None),  # the first r of each head
         K.Rope.FREQ_BASE: (float(freq_base), T.FLOAT32, None),
         K.Rope.SCALING_TYPE: (scaling, T.STRING, None),
         K.Tokenizer.MODEL: ("llama", T.STRING, None),  # llama.cpp's name for sentencepiece (SPM)

@@ -29,10 +29,10 @@ def need(module, package=None):
 def neox_config(c, eos_id, torch_dtype):
     """config.json, with the RoPE keys both as transformers 5 reads them (rope_parameters) and
     the older way other GPT-NeoX readers use (rotary_pct, rotary_emb_base, rope_scaling)."""
-    head_dim = c.n_embd // c.n_head
-    theta, context, scaling = c.rope_base, c.context_window, None
+    fraction = getattr(c, "rotary_fraction", 1.0)  # of each head: transformers' scalings
+    theta, context, scaling = c.rope_base, c.context_window, None  # count the rotated dims
     if c.rope_scaling == "ntk":  # static NTK-aware scaling is plain RoPE with a larger base
-        theta = ntk_base(c.rope_base, c.rope_factor, head_dim)
+        theta = ntk_base(c.rope_base, c.rope_factor, c.n_embd // c.n_head * fraction)
     elif c.rope_scaling == "linear" and c.rope_factor != 1.0:  # positions divided by factor
         scaling = {"rope_type": "linear", "type": "linear", "factor": c.rope_factor}
     elif c.rope_scaling == "yarn":  # model.py computes transformers' yarn with truncate=True;
@@ -40,7 +40,8 @@ def neox_config(c, eos_id, torch_dtype):
         scaling = {"rope_type": "yarn", "type": "yarn", "factor": c.rope_factor, "truncate": True,
                    "original_max_position_embeddings": c.original_context,
                    "beta_fast": 32.0, "beta_slow": 1.0}
-    rope = dict(scaling or {"rope_type": "default"}, rope_theta=theta, partial_rotary_factor=1.0)
+    rope = dict(scaling or {"rope_type": "default"}, rope_theta=theta,
+                partial_rotary_factor=fraction)
     return {
         "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
         "vocab_size": c.vocab_size, "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
@@ -51,7 +52,7 @@ def neox_config(c, eos_id, torch_dtype):
         "attention_bias": True,              # zeros when we train bias-free (see neox_weights)
         "tie_word_embeddings": True,
         "max_position_embeddings": context,  # RoPE runs past it; this is what was trained for
-        "rotary_pct": 1.0, "rotary_emb_base": theta, "rope_theta": theta,
+        "rotary_pct": fraction, "rotary_emb_base": theta, "rope_theta": theta,
         "rope_scaling": scaling, "rope_parameters": rope,
         "attention_dropout": c.dropout, "hidden_dropout": c.dropout,
         "initializer_range": 0.02, "use_cache": True,

@@ -115,9 +115,12 @@ def repair_log(log_path, start_iter):
 # ----------------------------------------------------------------------------------------
 # init_from=RUN: a new run (iteration 0, a fresh optimizer and schedule) from RUN's weights
 
+# issue 38's position designs: no weights, so a fine-tune may change them; RUN's unless set
+POSITION_KEYS = ("rotary_fraction", "nope_every", "window", "global_every", "local_rope_base",
+                 "length_temperature")
 # What such a run may change: its context, and what changes no weight.
 CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor", "rope_original", "dropout",
-                "linear_chunk")
+                "linear_chunk") + POSITION_KEYS
 
 
 def continue_from(source, config, model_keys, tokenizer, out_dir, given, master):
@@ -153,7 +156,8 @@ def continue_from(source, config, model_keys, tokenizer, out_dir, given, master)
 
 def context_args(args, theirs, given):
     """The new run's model args with RUN's context settings where this command leaves them
-    (vocab_size 0, rope_scaling and rope_factor not given, rope_original 0)."""
+    (vocab_size 0, rope_scaling, rope_factor and the position designs not given, rope_original
+    0)."""
     if args["vocab_size"] == 0:  # not given: RUN's (perhaps padded past the tokenizer's)
         args["vocab_size"] = theirs["vocab_size"]
     args["rope_original"] = args["rope_original"] or theirs.get("rope_original") or \
@@ -162,6 +166,7 @@ def context_args(args, theirs, given):
     scaled = rescale(theirs, args["rope_scaling"] if "rope_scaling" in given else "",
                      args["rope_factor"] if "rope_factor" in given else 0)
     args.update(rope_scaling=scaled["rope_scaling"], rope_factor=scaled["rope_factor"])
+    args.update({k: theirs[k] for k in POSITION_KEYS if k in theirs and k not in given})
     return args
 
 

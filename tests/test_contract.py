@@ -211,6 +211,8 @@ def absolute_positions(cfg):
     that makes them depend on absolute position by design adds itself here."""
     if cfg.pos_encoding in ("learned", "sinusoidal"):
         return f"pos_encoding={cfg.pos_encoding!r} encodes absolute positions"
+    if getattr(cfg, "length_temperature", 0):
+        return "length_temperature scales each query by its position past the trained context"
     return None
 
 
@@ -834,7 +836,7 @@ class EveryConfig(model_module.RoFormerConfig):
 
 class NoPEEvery(RoFormer):
     """nope_every=k done right: layers k-1, 2k-1, .. attend without RoPE (a tiny model too
-    shallow for k builds none: RoFormer itself, which ignores the field, is that model)."""
+    shallow for k builds none)."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -850,7 +852,9 @@ def test_an_every_k_th_layer_option_acts_and_an_inert_one_is_named(every):
     with mock.patch.object(model_module, "RoFormerConfig", EveryConfig):
         overrides, cfg = contract_overrides([f"nope_every={every}"])
     check_options_act(cfg, overrides, NoPEEvery)  # the check's model is deep enough for it
-    with pytest.raises(AssertionError) as failure:
-        check_options_act(cfg, overrides, RoFormer)  # builds no NoPE layer at any depth
+    with pytest.raises(AssertionError) as failure:  # a model that ignores the field (as
+        # RoFormer did before issue 38) builds no NoPE layer at any depth
+        check_options_act(cfg, overrides,
+                          lambda c: RoFormer(dataclasses.replace(c, nope_every=0)))
     assert str(failure.value).startswith(f"inert option: --model nope_every={every} "), \
         failure.value

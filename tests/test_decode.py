@@ -253,3 +253,24 @@ def test_learned_positions_past_block_size_are_refused_in_one_line():
     for kw in [dict(), dict(cache=m.new_cache(20, "cpu"), start_pos=5)]:
         with pytest.raises(ValueError, match="learned positions end at block_size=8"):
             m(torch.zeros(1, 9 if not kw else 4, dtype=torch.long), **kw)
+
+
+
+def stepped_logits(model, idx, split):  # a prefill, then one cached token at a time
+    cache = model.new_cache(idx.size(1), "cpu")
+    return torch.cat([model(idx[:, :split], cache=cache)[0]] + [model(
+        idx[:, t:t + 1], cache=cache, start_pos=t)[0] for t in range(split, idx.size(1))], 1), cache
+
+
+@pytest.mark.parametrize("global_every,total,slots", [(0, 24, [3, 3, 3]), (2, 8, [3, 8, 3])])
+def test_local_layers_cache_only_their_window_and_decode_as_the_full_forward(global_every,
+                                                                              total, slots):
+    """window=3: a local layer keeps 3 slots, a global one (global_every=2: layer 1) the
+    context window (8); the cached logits, past the local window (and, all local, 3x past the
+    context window), are the uncached forward's, whose local layers mask their own band."""
+    m = tiny(n_layer=3, window=3, global_every=global_every, local_rope_base=100.0)
+    idx = torch.randint(0, 61, (2, total), generator=torch.Generator().manual_seed(0))
+    for split in (1, 5):
+        got, cache = stepped_logits(m, idx, split)
+        assert [k.size(2) for k in cache.keys] == slots
+        assert torch.allclose(got, m(idx)[0], atol=1e-5)

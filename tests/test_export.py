@@ -137,6 +137,32 @@ def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling,
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("scaling,factor,original", [
+    ("none", 1.0, 0), ("ntk", 4.0, 0), ("yarn", 4.0, 16), ("linear", 2.0, 0)])
+def test_partial_rotary_logits_match_and_full_rotation_would_not(run, tmp_path, scaling, factor,
+                                                                 original):
+    """rotary_fraction=0.5 (8 of 16 channels) is transformers' partial_rotary_factor (and
+    rotary_pct), its scalings over the rotated dims: HF logits are ours over the window; the
+    same weights rotating whole heads are another model."""
+    args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, rotary_fraction=0.5,
+                rope_scaling=scaling, rope_factor=factor, rope_original=original)
+    torch.manual_seed(1)
+    model = RoFormer(RoFormerConfig(**args)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    export.main([f"--out_dir={out}", "--check=False"])
+    hf = load_hf(os.path.join(out, "hf"))
+    assert max_logit_diff(model, hf) < 1e-4
+    with open(os.path.join(out, "hf", "config.json")) as f:
+        assert json.load(f)["rotary_pct"] == hf.config.rope_parameters["partial_rotary_factor"] \
+            == 0.5
+    whole = RoFormer(RoFormerConfig(**dict(args, rotary_fraction=1.0))).eval()
+    whole.load_state_dict(model.state_dict())
+    assert max_logit_diff(whole, hf) > 1e-2
+
+
 def test_trained_run_logits_and_greedy_generation_match(run):
     model, hf = run["model"], run["hf"]
     assert max_logit_diff(model, hf, seed=3) < 1e-4
@@ -262,7 +288,11 @@ def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
 @pytest.mark.parametrize("change,reason", [({"attention": "linear"}, "linear attention"),
                                            ({"pos_encoding": "sinusoidal"}, "only through RoPE"),
                                            ({"pos_encoding": "none"}, "only through RoPE"),
-                                           ({"pos_encoding": "learned"}, "GPT-2")])
+                                           ({"pos_encoding": "learned"}, "GPT-2"),
+                                           ({"nope_every": 2}, "nope_every=2"),
+                                           ({"window": 4, "global_every": 2}, "window=4"),
+                                           ({"length_temperature": 0.1},
+                                            "length_temperature=0.1")])
 def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
     model = RoFormer(RoFormerConfig(**args))

@@ -240,11 +240,40 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
                            q_ours)
 
 
+@pytest.mark.parametrize("scaling,factor,original", [("none", 1.0, 0), ("ntk", 4.0, 0),
+                                                     ("yarn", 4.0, 16)])
+def test_partial_rotary_is_the_dimension_count(run, tmp_path, scaling, factor, original):
+    """rotary_fraction=0.5: rope.dimension_count is the 8 rotated channels of 16 (NTK's base
+    raised over them), and llama.cpp's graph of the f32 file gives our logits, which
+    rotating the whole head would not."""
+    model, out = sharp_run(run, tmp_path / "out", rotary_fraction=0.5, rope_scaling=scaling,
+                           rope_factor=factor, rope_original=original)
+    path = str(tmp_path / "m.gguf")
+    export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
+    _, meta = fields(path)
+    assert meta["gptneox.rope.dimension_count"] == 8
+    if scaling == "ntk":
+        assert meta["gptneox.rope.freq_base"] == pytest.approx(
+            model.config.rope_base * factor ** (8 / 6))
+    ids = torch.randint(0, model.config.vocab_size, (2 * BLOCK,),
+                        generator=torch.Generator().manual_seed(0))
+    whole = RoFormer(RoFormerConfig(**dict(vars(model.config), rotary_fraction=1.0))).eval()
+    whole.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ours, other = (m(ids[None])[0][0].double().numpy() for m in (model, whole))
+    theirs = gptneox_forward(path, ids.numpy())
+    assert np.abs(theirs - ours).max() < 1e-4 and np.abs(theirs - other).max() > 1e-2
+
+
 # --- refusals and failures -------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,reason", [({"attention": "linear"}, "linear attention"),
                                            ({"pos_encoding": "sinusoidal"}, "only through RoPE"),
-                                           ({"pos_encoding": "learned"}, "only through RoPE")])
+                                           ({"pos_encoding": "learned"}, "only through RoPE"),
+                                           ({"nope_every": 2}, "nope_every=2"),
+                                           ({"window": 4, "local_rope_base": 100.0}, "window=4"),
+                                           ({"length_temperature": 0.1},
+                                            "length_temperature=0.1")])
 def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
     model = RoFormer(RoFormerConfig(**args))
@@ -275,16 +304,19 @@ def test_a_wrongly_allow_listed_change_is_refused_without_llama_cpp(run, tmp_pat
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["m.gguf", "out"]
 
 
-@pytest.mark.parametrize("scaling,factor,original", [
-    ("none", 1.0, 0), ("linear", 2.0, 0), ("ntk", 4.0, 0), ("yarn", 2.0, 0), ("yarn", 4.0, 16)])
-def test_reference_of_the_file_is_transformers_model(run, tmp_path, scaling, factor, original):
+@pytest.mark.parametrize("scaling,factor,original,fraction", [
+    ("none", 1.0, 0, 1.0), ("linear", 2.0, 0, 1.0), ("ntk", 4.0, 0, 1.0), ("yarn", 2.0, 0, 1.0),
+    ("yarn", 4.0, 16, 1.0), ("none", 1.0, 0, 0.5), ("ntk", 4.0, 0, 0.5), ("yarn", 4.0, 16, 0.5)])
+def test_reference_of_the_file_is_transformers_model(run, tmp_path, scaling, factor, original,
+                                                     fraction):
     """lib/neox.py itself, read from either export, against transformers' GPTNeoXForCausalLM
-    loaded from the folder of the same weights: the reference computes what the formats mean."""
+    loaded from the folder of the same weights: the reference computes what the formats mean
+    (partial rotary too: rope.dimension_count, partial_rotary_factor)."""
     transformers = pytest.importorskip("transformers", reason="the reference is checked "
                                        "against transformers' GPTNeoXForCausalLM")
     from lib import hf as hf_export
     model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
-                           rope_original=original)
+                           rope_original=original, rotary_fraction=fraction)
     path = str(tmp_path / "m.gguf")
     export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
     export.main([f"--out_dir={out}", "--check=False"])

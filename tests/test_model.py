@@ -622,6 +622,105 @@ def test_state_dict_keys_are_the_checkpoint_format(pos_encoding):
                          if k.startswith(("blocks", "ln_f"))}, PINNED
 
 
+# --- position designs (issue 38) ------------------------------------------------------
+
+def designs_reference(model, idx):
+    """The softmax RoPE model with issue 38's position fields written out naively in float64,
+    layer by layer: a rotation matrix on each head's first r channels (none on NoPE layers;
+    local layers at local_rope_base, unscaled; linear scaling divides the others' m), a banded
+    mask on local layers, queries times 1 + t ln(max(1, (m + 1) / L))."""
+    c = model.config
+    W = {k: v.double() for k, v in model.state_dict().items()}
+    (B, T), H, D = idx.shape, c.n_head, c.n_embd // c.n_head
+    r, every = int(D * c.rotary_fraction), lambda k, i: k and (i + 1) % k == 0  # noqa: E731
+    ln = lambda x, p: F.layer_norm(x, (c.n_embd,), W[p + ".weight"])  # noqa: E731
+    lin = lambda x, p: x @ W[p + ".weight"].T  # noqa: E731
+    m = torch.arange(T)
+    dist = m[:, None] - m[None, :]
+    temp = 1 + c.length_temperature * torch.log(((m + 1) / c.original_context).clamp(min=1))
+    x = W["wte.weight"][idx]
+    for i in range(c.n_layer):
+        local = c.window and not every(c.global_every, i)
+        base = (c.local_rope_base or c.rope_base) if local else c.rope_base
+        scale = c.rope_factor if c.rope_scaling == "linear" and not local else 1.0
+        R = [torch.block_diag(rotation_matrix(t / scale, r, base), torch.eye(D - r,
+             dtype=torch.float64)) if not every(c.nope_every, i) else
+             torch.eye(D, dtype=torch.float64) for t in range(T)]
+        p = f"blocks.{i}."
+        q, k, v = lin(ln(x, p + "ln_1"), p + "attn.c_attn").view(B, T, 3, H, D).permute(
+            2, 0, 3, 1, 4)
+        q = torch.stack([q[:, :, t] @ R[t].T * temp[t] for t in range(T)], 2)
+        k = torch.stack([k[:, :, t] @ R[t].T for t in range(T)], 2)
+        allowed = (dist >= 0) & ((dist < c.window) if local else True)
+        att = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+        x = x + lin((att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1), p + "attn.c_proj")
+        h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
+        x = x + lin(0.5 * h * (1 + torch.erf(h / math.sqrt(2))), p + "mlp.c_proj")
+    return ln(x, "ln_f") @ W["wte.weight"].T
+
+
+@pytest.mark.parametrize("fields", [
+    dict(rotary_fraction=0.5), dict(rotary_fraction=0.25, rope_base=100.0),
+    dict(nope_every=2), dict(nope_every=1),
+    dict(window=3), dict(window=3, global_every=2, local_rope_base=50.0),
+    dict(window=4, global_every=3, rope_scaling="linear", rope_factor=2.0),
+    dict(length_temperature=0.5),
+    dict(rotary_fraction=0.5, nope_every=3, window=5, global_every=2, local_rope_base=30.0,
+         length_temperature=0.3)])
+def test_position_designs_match_a_naive_float64_reference(fields):
+    """Past the original context (8) too: the length temperature acts only there."""
+    m = tiny(n_layer=3, n_embd=32, block_size=32, rope_original=8, **fields).double()
+    idx = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
+    want = designs_reference(m, idx)
+    assert (m(idx)[0] - want).abs().max() < 1e-9
+    assert (m(idx, cache=m.new_cache(20, "cpu"))[0] - want).abs().max() < 1e-9  # one chunk
+    assert (cached_logits(m, idx, split=5) - want).abs().max() < 1e-9  # token by token
+
+
+def test_partial_rotary_turns_the_first_r_channels_by_their_own_frequencies():
+    """rotary_fraction: theta_i = base^(-2i/r) on channels i, i + r/2 < r; the rest pass."""
+    x = torch.randn(5, 16, dtype=torch.float64)
+    cos, sin = rope_table(torch.arange(5), 8, 500.0)
+    got = apply_rope(x.float(), cos, sin).double()
+    for t in range(5):
+        R = torch.block_diag(rotation_matrix(t, 8, 500.0), torch.eye(8, dtype=torch.float64))
+        assert (got[t] - R @ x[t]).abs().max() < 1e-5
+
+
+def test_position_design_defaults_leave_todays_model_and_old_checkpoints_as_they_were():
+    """model_args written before issue 38 (no such keys) build today's default model."""
+    new = ("rotary_fraction", "nope_every", "window", "global_every", "local_rope_base",
+           "length_temperature")
+    args = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    old = RoFormerConfig(**args)
+    assert all(getattr(old, f) == RoFormerConfig.__dataclass_fields__[f].default for f in new)
+    m, idx = tiny(), torch.randint(0, 61, (1, 16))
+    assert m.config == old and all(b.attn.rotates and not b.attn.window for b in m.blocks)
+    assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-5), PINNED
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(rotary_fraction=0.3), "rotary_fraction"), (dict(rotary_fraction=0.0), "rotary_fraction"),
+    (dict(rotary_fraction=0.125), "rotary_fraction"),  # 1 channel of 8: no pair
+    (dict(rotary_fraction=0.5, pos_encoding="alibi"), "rotary_fraction"),
+    (dict(nope_every=2, pos_encoding="none"), "nope_every"), (dict(nope_every=-1), "nope_every"),
+    (dict(window=-2), "window"), (dict(global_every=2), "global_every"),
+    (dict(local_rope_base=100.0), "local_rope_base"),
+    (dict(window=4, local_rope_base=0.5), "local_rope_base"),
+    (dict(window=4, attention="linear"), "window"),
+    (dict(length_temperature=0.1, attention="linear"), "length_temperature"),
+    (dict(length_temperature=-1.0), "length_temperature"),
+    (dict(rope_scaling="ntk", rope_factor=2.0, rotary_fraction=0.25), "rotary dim"),
+])
+def test_position_design_mistakes_are_one_line_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field) as e:
+        RoFormerConfig(**{**dict(vocab_size=10, block_size=8, n_layer=2, n_head=2, n_embd=16),
+                          **kw})
+    assert "\n" not in str(e.value)
+    if kw.get("attention") == "linear":  # the one field set, not both
+        assert ({"window", "length_temperature"} - {field}).pop() not in str(e.value)
+
+
 # --- training -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("attention", ["softmax", "linear"])

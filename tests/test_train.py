@@ -1162,6 +1162,25 @@ def test_init_from_starts_a_new_run_from_the_weights_with_a_longer_window(data, 
     assert load(again)["model_args"]["rope_original"] == 32
 
 
+def test_init_from_may_change_the_position_designs_and_keeps_runs_where_not_set(data, base_run,
+                                                                                tmp_path):
+    """Issue 38's fields add no weights: a fine-tune may set them (a window, a temperature for
+    a longer context) on RUN's weights; one continuing that run without repeating them keeps
+    RUN's (not the defaults: another model), and sets only what it names."""
+    base, tuned, again = load(base_run), str(tmp_path / "tuned"), str(tmp_path / "again")
+    train(f"--data_dir={data}", f"--out_dir={tuned}", *TINY, f"--init_from={base_run}",
+          "--window=8", "--global_every=2", "--local_rope_base=500", "--length_temperature=0.2",
+          "--rotary_fraction=0.5", "--nope_every=2", "--max_iters=0")
+    ck = load(tuned)
+    assert max_diff(ck["model"], base["model"]) == 0.0
+    designs = dict(window=8, global_every=2, local_rope_base=500.0, length_temperature=0.2,
+                   rotary_fraction=0.5, nope_every=2)
+    assert {k: ck["model_args"][k] for k in designs} == designs
+    train(f"--data_dir={data}", f"--out_dir={again}", *TINY, f"--init_from={tuned}",
+          "--window=4", "--max_iters=0")
+    assert load(again)["model_args"] == dict(ck["model_args"], window=4)
+
+
 def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tmp_path):
     """Everything init_from=RUN refuses is refused before out_dir exists: a shape key that is
     not RUN's (named), another tokenizer, RUN's own out_dir, a path with no checkpoint, learned
