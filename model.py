@@ -1,7 +1,8 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
-transformer, whose position hooks reach the ablation baselines in baselines.py beside it. The
-decoding caches it writes (driven by lib/decode.py) are in caches.py."""
+transformer, whose position hooks reach the ablation baselines in baselines.py beside it. Also
+beside it: the decoding caches it writes (caches.py, driven by lib/decode.py) and the config's
+rules (model_checks.py)."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -14,11 +15,7 @@ import torch.nn.functional as F
 import baselines
 from baselines import RELATIVE  # encodings that bias the attention scores by distance
 from caches import KVCache, RecurrentState  # the decoding caches that new_cache makes
-
-
-CHOICES = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
-           "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-           "rope_scaling": ("none", "linear", "ntk", "yarn")}
+from model_checks import check_config  # the rules a RoFormerConfig keeps
 
 
 @dataclass
@@ -72,74 +69,7 @@ class RoFormerConfig:
                     f"cannot run")
 
     def __post_init__(self):
-        check_config(self)  # below, so that the fields read first
-
-
-def check_config(cfg):
-    """Raise ValueError (one line) for a RoFormerConfig that cannot build a working model; a
-    baseline's own settings are checked in baselines.check."""
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "linear_chunk",
-                 "rel_clip", "t5_buckets", "t5_max_distance", "rope_original"):
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value < (name != "rope_original"):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    for name, allowed in CHOICES.items():
-        if getattr(cfg, name) not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-    rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
-    if not rope:
-        baselines.check(cfg)
-    for wrong, why in [
-        (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
-        (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
-        (rope and cfg.rope_scaling == "ntk" and cfg.rotary_dim <= 2, "rope_scaling='ntk' raises"
-         " the base to the power d/(d-2) of the factor: "
-         f"{'head' if cfg.rotary_dim == hd else 'rotary'} dim {cfg.rotary_dim} must be above 2"),
-        (not 0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}"),
-        (not (1.0 < cfg.rope_base < math.inf and 1.0 <= cfg.rope_factor < math.inf),
-         f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
-         f"{cfg.rope_base} and {cfg.rope_factor}"),
-        (cfg.rope_scaling == "none" and cfg.rope_factor != 1, f"rope_factor={cfg.rope_factor}"
-         " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
-        if wrong:
-            raise ValueError(why)
-    check_positions(cfg)
-    # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
-    # base overflows a float (OverflowError) long before: both are factors no one means
-    window = cfg.original_context * cfg.rope_factor
-    if window >= 2 ** 53 or (rope and cfg.rope_scaling == "ntk" and math.log(
-            cfg.rope_base) + math.log(cfg.rope_factor) * hd / (hd - 2) > 700):
-        raise ValueError(f"rope_factor={cfg.rope_factor:g} is too large: a window of "
-                         f"{window:.3g} positions (rope_original x rope_factor) cannot be "
-                         f"computed exactly")
-
-
-def check_positions(cfg):
-    """The position designs' fields (docs/MODEL.md), each refused in one line naming it."""
-    r, rope = cfg.n_embd // cfg.n_head * cfg.rotary_fraction, cfg.pos_encoding == "rope"
-    for name, value in (("nope_every", cfg.nope_every), ("window", cfg.window),
-                        ("global_every", cfg.global_every)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    for wrong, why in [
-        (not 0 < cfg.rotary_fraction <= 1 or rope and (r != int(r) or r % 2), f"rotary_fraction="
-         f"{cfg.rotary_fraction:g} must be in (0, 1] and rotate an even number of each head's "
-         f"channels, got {r:g}"),
-        (not rope and (cfg.rotary_fraction != 1 or cfg.nope_every or cfg.local_rope_base),
-         f"rotary_fraction, nope_every and local_rope_base choose how RoPE rotates: "
-         f"pos_encoding={cfg.pos_encoding!r} has no rotation"),
-        (cfg.local_rope_base and not (rope and cfg.window and 1 < cfg.local_rope_base < math.inf),
-         f"local_rope_base={cfg.local_rope_base:g} is the RoPE base of local layers: it needs "
-         f"window > 0 and a finite base > 1"),
-        (cfg.global_every and not cfg.window, f"global_every={cfg.global_every} picks the "
-         f"layers that see the whole context among local ones: it needs window > 0"),
-        (cfg.attention == "linear" and (cfg.window or cfg.length_temperature),
-         f"{'window' if cfg.window else 'length_temperature'} acts on attention scores, which "
-         "attention='linear' never forms"),
-        (not 0 <= cfg.length_temperature < math.inf, f"length_temperature must be finite and "
-         f">= 0, got {cfg.length_temperature}")]:
-        if wrong:
-            raise ValueError(why)
+        check_config(self)  # model_checks.py: every rule, one line per mistake
 
 
 @torch.no_grad()
