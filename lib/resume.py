@@ -115,7 +115,7 @@ def repair_log(log_path, start_iter):
 # ----------------------------------------------------------------------------------------
 # init_from=RUN: a new run (iteration 0, a fresh optimizer and schedule) from RUN's weights
 
-# issue 38's position designs: no weights, so a fine-tune may change them; RUN's unless set
+# the position designs (docs/MODEL.md): no weights, so a fine-tune may change them; RUN's unless set
 POSITION_KEYS = ("rotary_fraction", "nope_every", "window", "global_every", "local_rope_base",
                  "length_temperature")
 # What such a run may change: its context, and what changes no weight.

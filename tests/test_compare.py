@@ -159,3 +159,24 @@ def test_the_base_again_is_its_own_arm_with_other_seeds(tmp_path):
     assert not set(seeds["base"]) & set(seeds["base, other seeds"])
     # seed-major: every arm's first seed before any arm's second
     assert [r["pair"] for r in runs] == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git"))
+                    and not os.path.isfile(os.path.join(ROOT, ".git")), reason="needs a git checkout")
+@pytest.mark.parametrize("patch", sorted(os.listdir(os.path.join(ROOT, "bench", "patches"))))
+def test_the_logged_patches_still_apply_to_this_tree(patch, tmp_path):
+    """docs/LOG.md's changes are reruns of bench/patches/*.patch: each must apply to today's
+    model.py (a copy of it, in a scratch repository), and the patched model must still build
+    and run a forward, so that `--variant=patch:...` reruns the entry instead of failing."""
+    shutil.copy(os.path.join(ROOT, "model.py"), tmp_path / "model.py")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    r = subprocess.run(["git", "apply", os.path.join(ROOT, "bench", "patches", patch)],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, f"{patch} no longer applies to model.py: {r.stderr.strip()}"
+    code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import model; "
+            "c = model.RoFormerConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32); "
+            "m = model.RoFormer(c); x = torch.randint(0, 64, (1, 16)); "
+            "print(m(x, x)[1].item())")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), ROOT], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and math.isfinite(float(r.stdout)), r.stderr[-500:]
