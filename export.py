@@ -56,7 +56,7 @@ MAPPED_FIELDS = {
     # partial rotary: partial_rotary_factor / rope.dimension_count; GPT-NeoX has no per-layer
     # NoPE or window and no length temperature (global_every and local_rope_base need a window)
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
-    "local_rope_base": UNUSED, "length_temperature": (0.0,),
+    "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True,),
 }
 
 

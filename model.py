@@ -46,6 +46,7 @@ class RoFormerConfig:
     global_every: int = 0         # k (with window): every k-th layer sees the whole context
     local_rope_base: float = 0.0  # local layers' RoPE base, unscaled (0: rope_base)
     length_temperature: float = 0.0  # q x 1 + this ln(max(1, (pos+1) / original_context))
+    tie_embeddings: bool = True   # the output head is wte's weight; False: a matrix of its own
 
     @property
     def original_context(self):  # a fine-tune at a longer block keeps it: no compounding
@@ -257,6 +258,15 @@ class Block(nn.Module):  # pre-norm: x + attn(norm(x)), then x + mlp(norm(x))
         return x + self.mlp(self.ln_2(x))
 
 
+def tied_head_check(state, prefix, *args):
+    """A tied model loads one matrix twice: an untied lm_head would silently overwrite wte."""
+    wte, head = state.get(prefix + "wte.weight"), state.get(prefix + "lm_head.weight")
+    plain = wte is not None and head is not None and not hasattr(head, "device_mesh")
+    if plain and head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
+        args[-1].append("lm_head.weight is not wte.weight, but tie_embeddings=True: these weights "
+                        "are an untied model's (tie_embeddings=False)")
+
+
 class RoFormer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -269,13 +279,15 @@ class RoFormer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+            self._register_load_state_dict_pre_hook(tied_head_check)
         # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
         for name in ("rope_cos", "rope_sin", "sin_emb"):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.table_start = 0  # the tables hold positions table_start.. (hold_positions)
         self.hold_positions(0, cfg.block_size, "cpu")  # not the window: a forward grows them
-        for name, p in self.named_parameters():  # the tied head is wte's weight: drawn once
+        for name, p in self.named_parameters():  # a tied head is wte's weight: drawn once
             init_parameter(name, p, cfg.n_layer)
 
     # Why a private hook: model.to(dtype) casts every floating buffer (no per-buffer opt-out);
@@ -380,6 +392,8 @@ class RoFormer(nn.Module):
                 pos, window=c.window) if c.window else None)
         return positions
 
-    def num_params(self, non_embedding=True):  # non_embedding: less wpe (wte is also the head)
+    def num_params(self, non_embedding=True):
+        """non_embedding: less the lookup tables, wpe and an untied wte (a tied one is the head)"""
         n = sum(p.numel() for p in self.parameters())
-        return n - (self.wpe.weight.numel() if non_embedding and self.wpe is not None else 0)
+        tables = [self.wpe] + ([] if self.config.tie_embeddings else [self.wte])
+        return n - sum(t.weight.numel() for t in tables if non_embedding and t is not None)

@@ -137,7 +137,7 @@ def continue_from(source, config, model_keys, tokenizer, out_dir, given, master)
                         f"(init_from=resume continues the same run)")
     ckpt = read(path, mmap=True)
     check_format(ckpt, path)
-    theirs = ckpt["model_args"]
+    theirs = {"tie_embeddings": True, **ckpt["model_args"]}  # runs from before the key: tied
     if ckpt["tokenizer"].get("sha256") != tokenizer["sha256"]:
         raise UserError(f"init_from={source} was trained with another tokenizer than "
                         f"{tokenizer['path']}: prepare this corpus with --tokenizer={source}")

@@ -80,7 +80,8 @@ def reference_forward(model, idx, window=None):
         h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
         h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
         x = x + lin(h, p + "mlp.c_proj")
-    return ln(x, "ln_f") @ W["wte.weight"].T
+    return ln(x, "ln_f") @ W["wte.weight" if getattr(c, "tie_embeddings", True) else
+                             "lm_head.weight"].T
 
 
 def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6, guard=0.25):
@@ -620,6 +621,50 @@ def test_state_dict_keys_are_the_checkpoint_format(pos_encoding):
         extra = set(with_bias.state_dict()) - set(m.state_dict())
         assert extra == {k[:-len("weight")] + "bias" for k in COMMON_KEYS
                          if k.startswith(("blocks", "ln_f"))}, PINNED
+
+
+def test_untied_head_is_its_own_matrix_and_matches_the_float64_reference():
+    """tie_embeddings=False: lm_head a parameter of its own, drawn by the one init rule
+    (normal 0.02) after every other, so the rest of the model starts as the tied one does;
+    logits are the naive forward with that head; num_params (non-embedding: what lib/mfu.py
+    counts) drops the untied wte lookup and keeps the head."""
+    tied, m = tiny(), tiny(tie_embeddings=False)
+    assert m.lm_head.weight is not m.wte.weight and not torch.equal(m.lm_head.weight,
+                                                                    m.wte.weight)
+    head = m.lm_head.weight.detach()
+    assert abs(head.std().item() - 0.02) < 0.003 and abs(head.mean().item()) < 0.003
+    for (k, a), b in zip(tied.state_dict().items(), m.state_dict().values()):
+        assert k == "lm_head.weight" or torch.equal(a, b), k
+    assert list(m.state_dict()) == list(tied.state_dict())
+    idx = torch.randint(0, 61, (2, 16))
+    assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-4)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(2)  # the head alone changes the logits; wte is untouched
+    assert torch.equal(m.wte.weight, tied.wte.weight)
+    assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-4)
+    V, C = 61, 16
+    assert sum(p.numel() for p in m.parameters()) == tied.num_params(False) + V * C
+    assert m.num_params() == tied.num_params() and m.num_params(False) == tied.num_params(
+        False) + V * C
+
+
+def test_tied_and_untied_weights_load_only_where_they_fit():
+    """A tied model given an untied model's weights would load lm_head over wte (the last key
+    copied wins): an error naming tie_embeddings instead. An untied model needs lm_head.weight;
+    a tied model's weights (both keys, equal) load into it and give the same logits."""
+    tied, untied = tiny(), tiny(tie_embeddings=False)
+    with pytest.raises(RuntimeError, match="tie_embeddings") as e:
+        tiny().load_state_dict(untied.state_dict())
+    assert len(str(e.value).splitlines()) == 2  # torch's header, our line (lib/checkpoint.misfit)
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        tiny(tie_embeddings=False).load_state_dict(
+            {k: v for k, v in tied.state_dict().items() if k != "lm_head.weight"})
+    copy = tiny(tie_embeddings=False)
+    copy.load_state_dict(tied.state_dict())
+    again = tiny()
+    again.load_state_dict(tied.state_dict())  # a tied checkpoint into a tied model, unchanged
+    idx = torch.randint(0, 61, (2, 16))
+    assert torch.equal(copy(idx)[0], tied(idx)[0]) and torch.equal(again(idx)[0], tied(idx)[0])
 
 
 # --- position designs (issue 38) ------------------------------------------------------

@@ -1207,6 +1207,25 @@ def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tm
     assert r.returncode == 1 and "own out_dir" in r.stderr and load(base_run)["iter_num"] == before
 
 
+def test_init_from_refuses_to_change_tie_embeddings_also_for_runs_from_before_the_key(
+        data, base_run, tmp_path):
+    """tie_embeddings changes which weights exist: init_from=RUN refuses another value in one
+    line, also from a checkpoint written before the key existed (model_args without it: tied),
+    which would otherwise load as an untied model with a copy of wte as its head."""
+    ck = load(base_run)
+    ck["model_args"] = {k: v for k, v in ck["model_args"].items() if k != "tie_embeddings"}
+    ck["config"] = {k: v for k, v in ck["config"].items() if k != "tie_embeddings"}
+    os.makedirs(tmp_path / "old")
+    torch.save(ck, tmp_path / "old" / "ckpt.pt")
+    out = str(tmp_path / "out")
+    r = train_here(f"--data_dir={data}", *TINY, f"--out_dir={out}",
+                   f"--init_from={tmp_path / 'old'}", "--tie_embeddings=False", "--max_iters=2")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert "tie_embeddings=False" in lines[0] and "tie_embeddings=True" in lines[0], lines[0]
+    assert not os.path.exists(out)
+
+
 def extended(base_run, folder):
     """base_run's checkpoint as if it were a YaRN x4 extension to block_size 128 (RoPE has no
     weights, so the weights fit as they are)."""
