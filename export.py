@@ -56,7 +56,7 @@ MAPPED_FIELDS = {
     # partial rotary: partial_rotary_factor / rope.dimension_count; GPT-NeoX has no per-layer
     # NoPE or window and no length temperature (global_every and local_rope_base need a window)
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
-    "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True,),
+    "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
 }
 
 
@@ -82,7 +82,7 @@ def config_refusal(c, kind):
 
 def expected_shapes(c):
     """{state-dict key: shape} of the model both exports map for config c (GPT-NeoX's block,
-    biases only with bias=True, the output head tied to the token embedding)."""
+    biases only with bias=True, the output head as lm_head.weight, tied or not)."""
     C = c.n_embd
     shapes = {"wte.weight": (c.vocab_size, C), "lm_head.weight": (c.vocab_size, C),
               "ln_f.weight": (C,), **({"ln_f.bias": (C,)} if c.bias else {})}
@@ -124,7 +124,8 @@ def refusal(model, kind):
     if missing:
         return f"the model has no {missing[0]}, which the {kind} export writes"
     head, wte = state["lm_head.weight"], state["wte.weight"]
-    if head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
+    tied = getattr(model.config, "tie_embeddings", True)  # the config the export writes says so
+    if tied and head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
         return f"lm_head.weight is not wte.weight: the {kind} export writes a tied output head"
     return module_refusal(model)
 

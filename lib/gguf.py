@@ -94,7 +94,8 @@ def gguf_metadata(c, sp, proto, gguf_type, name):
 # --- tensors -------------------------------------------------------------------------------
 
 def tensor_names(n_layer):
-    """{our state-dict name without .weight/.bias: llama.cpp's name} (not the tied head)."""
+    """{our state-dict name without .weight/.bias: llama.cpp's name}; the head (lm_head, a tied
+    one too) is output.weight."""
     names, M = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
     out = {"wte": names[M.TOKEN_EMBD], "ln_f": names[M.OUTPUT_NORM]}
     for i in range(n_layer):
@@ -102,6 +103,7 @@ def tensor_names(n_layer):
                              ("attn.c_proj", M.ATTN_OUT), ("ln_2", M.FFN_NORM),
                              ("mlp.c_fc", M.FFN_UP), ("mlp.c_proj", M.FFN_DOWN)):
             out[f"blocks.{i}.{ours}"] = names[theirs].format(bid=i)
+    out["lm_head"] = names[M.OUTPUT]  # last, where the files have always had it
     return out
 
 
@@ -126,11 +128,9 @@ def gguf_tensors(model, gguf_type):
     for ours, theirs in tensor_names(c.n_layer).items():
         weight = state[ours + ".weight"]
         out[theirs + ".weight"] = (*encode_tensor(weight, gguf_type), weight.shape)
-        if ours != "wte":
+        if ours not in ("wte", "lm_head"):  # neither has a bias in llama.cpp's gptneox
             bias = state.get(ours + ".bias", np.zeros(weight.shape[0], dtype=np.float32))
             out[theirs + ".bias"] = (*encode_tensor(bias, gguf_type), bias.shape)
-    head = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
-    out[head] = out[gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD] + ".weight"]  # tied head
     return out
 
 
@@ -199,8 +199,6 @@ def weights_from_gguf(path, model):
         for part in ("weight", "bias"):
             if f"{ours}.{part}" in state:
                 state[f"{ours}.{part}"] = stored[f"{theirs}.{part}"]
-    if "lm_head.weight" in state:  # the tied head
-        state["lm_head.weight"] = state["wte.weight"]
     copy = type(model)(model.config).eval()
     copy.load_state_dict(state)
     return copy

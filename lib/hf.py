@@ -50,7 +50,7 @@ def neox_config(c, eos_id, torch_dtype):
         "layer_norm_eps": 1e-5,              # nn.LayerNorm's default
         "use_parallel_residual": False,      # x + attn(ln1(x)), then + mlp(ln2(.))
         "attention_bias": True,              # zeros when we train bias-free (see neox_weights)
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": c.tie_embeddings,
         "max_position_embeddings": context,  # RoPE runs past it; this is what was trained for
         "rotary_pct": fraction, "rotary_emb_base": theta, "rope_theta": theta,
         "rope_scaling": scaling, "rope_parameters": rope,
@@ -64,8 +64,8 @@ def neox_config(c, eos_id, torch_dtype):
 
 def neox_weights(model, dtype):
     """Our state dict -> GPT-NeoX tensor names, changing form, not content: c_attn's rows
-    [q | k | v] regrouped per head, zero biases where bias=False, and the tied head also written
-    as embed_out.weight for readers that do not tie (docs/EXPORT.md)."""
+    [q | k | v] regrouped per head, zero biases where bias=False, and the head (lm_head, tied or
+    not) written as embed_out.weight, also for readers that do not tie (docs/EXPORT.md)."""
     c = model.config
     H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd  # heads, head size, width
     state = {k: v.detach().to(dtype=torch.float32, device="cpu")
@@ -76,7 +76,7 @@ def neox_weights(model, dtype):
         out[theirs + ".bias"] = state.get(ours + ".bias", torch.zeros(w.shape[0]))
 
     out = {"gpt_neox.embed_in.weight": state["wte.weight"],
-           "embed_out.weight": state["wte.weight"].clone()}
+           "embed_out.weight": state["lm_head.weight"].clone()}
     add("ln_f", "gpt_neox.final_layer_norm")
     for i in range(c.n_layer):
         ours, theirs = f"blocks.{i}.", f"gpt_neox.layers.{i}."

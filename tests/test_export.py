@@ -95,18 +95,20 @@ def test_folder_config_and_tied_head(run):
     assert hf.generation_config.eos_token_id == run["sp"].eos_id()
 
 
-@pytest.mark.parametrize("scaling,factor,bias,original", [
-    ("none", 1.0, False, 0), ("linear", 2.0, False, 0), ("ntk", 4.0, False, 0),
-    ("none", 1.0, True, 0), ("yarn", 2.0, False, 0),
+@pytest.mark.parametrize("scaling,factor,bias,original,tied", [
+    ("none", 1.0, False, 0, True), ("linear", 2.0, False, 0, True), ("ntk", 4.0, False, 0, True),
+    ("none", 1.0, True, 0, True), ("yarn", 2.0, False, 0, True), ("none", 1.0, True, 0, False),
     # fine-tune-like: RoPE trained at 16, the block (64) is the window, 4x the original
-    ("yarn", 4.0, False, 16), ("linear", 4.0, False, 16), ("ntk", 4.0, False, 16)])
+    ("yarn", 4.0, False, 16, True), ("linear", 4.0, False, 16, True),
+    ("ntk", 4.0, False, 16, True)])
 def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling, factor, bias,
-                                                         original):
+                                                         original, tied):
     """Fresh weights, made sharp (q/k x10) so positions steer the output, random biases and
     LayerNorm gains when bias=True: HF logits equal ours within 1e-4 over the whole window
-    (past the original context), and greedy decoding gives the same 32 tokens."""
+    (past the original context), and greedy decoding gives the same 32 tokens. Untied: the
+    folder's head is lm_head (embed_out, tie_word_embeddings false), its embedding wte."""
     args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, bias=bias, rope_scaling=scaling,
-                rope_factor=factor, rope_original=original)
+                rope_factor=factor, rope_original=original, tie_embeddings=tied)
     torch.manual_seed(1)
     model = RoFormer(RoFormerConfig(**args)).eval()
     with torch.no_grad():
@@ -121,6 +123,9 @@ def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling,
     export.main([f"--out_dir={out}", "--check=False"])
     hf = load_hf(os.path.join(out, "hf"))
     assert max_logit_diff(model, hf) < 1e-4
+    assert hf.config.tie_word_embeddings == tied
+    assert torch.equal(hf.get_output_embeddings().weight, model.lm_head.weight)
+    assert torch.equal(hf.get_input_embeddings().weight, model.wte.weight)
     assert hf.config.max_position_embeddings == model.config.context_window
     if scaling == "yarn":  # truncate=False would be another model (tests/test_rope_scaling.py)
         rope = hf.config.rope_parameters

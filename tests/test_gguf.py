@@ -200,16 +200,18 @@ def sharp_run(run, folder, **changes):
     return model, save_run(folder, run["ckpt"], args, model.state_dict())
 
 
-@pytest.mark.parametrize("scaling,factor,original", [
-    ("none", 1.0, 0), ("linear", 2.0, 0), ("ntk", 4.0, 0), ("yarn", 2.0, 0),
-    ("yarn", 4.0, 16), ("linear", 4.0, 16)])  # fine-tune-like: RoPE trained at 16, block 64
+@pytest.mark.parametrize("scaling,factor,original,tied", [
+    ("none", 1.0, 0, True), ("linear", 2.0, 0, True), ("ntk", 4.0, 0, True),
+    ("yarn", 2.0, 0, True), ("none", 1.0, 0, False),
+    ("yarn", 4.0, 16, True), ("linear", 4.0, 16, True)])  # fine-tune-like: RoPE trained at 16
 def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scaling, factor,
-                                                             original):
+                                                             original, tied):
     """qkv layout, rotation and RoPE scaling: the float64 gptneox forward over the f32 file
     gives our model's logits (so q/k/v come back out of attn_qkv exactly as ours), and it
-    would not if the heads were interleaved the HF way or the scaling dropped."""
+    would not if the heads were interleaved the HF way or the scaling dropped. Untied: the
+    file's output.weight is lm_head and token_embd wte."""
     model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
-                           rope_original=original)
+                           rope_original=original, tie_embeddings=tied)
     path = str(tmp_path / "m.gguf")
     export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
     ids = torch.randint(0, model.config.vocab_size, (2 * BLOCK,),
@@ -217,7 +219,10 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
     with torch.no_grad():
         ours = model(ids[None])[0][0].double().numpy()
     assert np.abs(gptneox_forward(path, ids.numpy()) - ours).max() < 1e-4
-    _, meta = fields(path)
+    reader, meta = fields(path)
+    state = model.state_dict()
+    assert np.array_equal(tensor(reader, "output.weight"), state["lm_head.weight"].double())
+    assert np.array_equal(tensor(reader, "token_embd.weight"), state["wte.weight"].double())
     c, head = model.config, model.config.n_embd // model.config.n_head
     assert meta["gptneox.context_length"] == max(BLOCK, int((original or BLOCK) * factor))
     scaled = {k[len("gptneox.rope.scaling."):]: v for k, v in meta.items() if "rope.scaling" in k}
@@ -304,11 +309,12 @@ def test_a_wrongly_allow_listed_change_is_refused_without_llama_cpp(run, tmp_pat
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["m.gguf", "out"]
 
 
-@pytest.mark.parametrize("scaling,factor,original,fraction", [
-    ("none", 1.0, 0, 1.0), ("linear", 2.0, 0, 1.0), ("ntk", 4.0, 0, 1.0), ("yarn", 2.0, 0, 1.0),
-    ("yarn", 4.0, 16, 1.0), ("none", 1.0, 0, 0.5), ("ntk", 4.0, 0, 0.5), ("yarn", 4.0, 16, 0.5)])
+@pytest.mark.parametrize("scaling,factor,original,fraction,tied", [
+    ("none", 1.0, 0, 1.0, True), ("linear", 2.0, 0, 1.0, True), ("ntk", 4.0, 0, 1.0, True),
+    ("yarn", 2.0, 0, 1.0, True), ("yarn", 4.0, 16, 1.0, True), ("none", 1.0, 0, 0.5, True),
+    ("ntk", 4.0, 0, 0.5, True), ("yarn", 4.0, 16, 0.5, True), ("none", 1.0, 0, 1.0, False)])
 def test_reference_of_the_file_is_transformers_model(run, tmp_path, scaling, factor, original,
-                                                     fraction):
+                                                     fraction, tied):
     """lib/neox.py itself, read from either export, against transformers' GPTNeoXForCausalLM
     loaded from the folder of the same weights: the reference computes what the formats mean
     (partial rotary too: rope.dimension_count, partial_rotary_factor)."""
@@ -316,7 +322,8 @@ def test_reference_of_the_file_is_transformers_model(run, tmp_path, scaling, fac
                                        "against transformers' GPTNeoXForCausalLM")
     from lib import hf as hf_export
     model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
-                           rope_original=original, rotary_fraction=fraction)
+                           rope_original=original, rotary_fraction=fraction,
+                           tie_embeddings=tied)
     path = str(tmp_path / "m.gguf")
     export.main([f"--out_dir={out}", f"--gguf={path}", "--gguf_type=f32", "--check=False"])
     export.main([f"--out_dir={out}", "--check=False"])
