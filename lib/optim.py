@@ -53,8 +53,9 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norms/biases.
     name="muon": the weights of the Linear layers inside the blocks (attention and MLP) go to
     Muon at base rate muon_lr instead; embeddings (token, position and relative-position
-    tables), the tied head, norms and biases stay with AdamW, as Muon's authors advise:
-    orthogonalising an update suits a hidden layer's map, not a lookup table or a gain. Muon
+    tables), the output head (tied or not: it lies outside the blocks), norms and biases stay
+    with AdamW, as Muon's authors advise: orthogonalising an update suits a hidden layer's map,
+    not a lookup table, the vocabulary classifier or a gain. Muon
     orthogonalises in bfloat16 where `device_type` multiplies it natively, else in float32."""
     check(name, fsdp)
     if name == "adamw":

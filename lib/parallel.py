@@ -116,7 +116,7 @@ def fully_shard_model(raw, device, param_dtype=None, compile=False):
         if compile:
             block.compile()  # in place: parameter names keep no _orig_mod. prefix
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(raw, mesh=mesh, mp_policy=mp)  # the rest: embeddings (tied head), ln_f
+    fully_shard(raw, mesh=mesh, mp_policy=mp)  # the rest: embeddings, the head (tied or not), ln_f
 
 
 def grad_sync(model, last):

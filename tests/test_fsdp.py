@@ -157,16 +157,19 @@ def test_activation_checkpointing_changes_nothing_but_memory(runs, data, tmp_pat
     assert max_diff(load(runs["one"])["model"], load(out)["model"]) < 1e-6
 
 
-@pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal", "learned", "none"])
+@pytest.mark.parametrize("pos_encoding,tied", [("rope", True), ("sinusoidal", True),
+                                               ("learned", True), ("none", True),
+                                               ("rope", False)])
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
-def test_meta_build_equals_a_normal_build(pos_encoding, attention):
+def test_meta_build_equals_a_normal_build(pos_encoding, tied, attention):
     """build.build_model (meta device, to_empty, init) against RoFormer(cfg) built the usual
-    way: the same buffers (position tables) exactly, the head still tied to the embedding, and
-    every parameter drawn by model.py's rule: constants equal, random ones with the same
-    spread (model.py draws them in another order, so values differ)."""
+    way: the same buffers (position tables) exactly, the head tied to the embedding as the
+    config says, and every parameter (an untied head too) drawn by model.py's rule: constants
+    equal, random ones with the same spread (model.py draws them in another order)."""
     from lib import build
     cfg = RoFormerConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=64,
-                         pos_encoding=pos_encoding, attention=attention, bias=True)
+                         pos_encoding=pos_encoding, attention=attention, bias=True,
+                         tie_embeddings=tied)
     torch.manual_seed(0)
     ref = RoFormer(cfg)
     got, _, _ = build.build_model(cfg, 1337, "cpu")
@@ -174,7 +177,7 @@ def test_meta_build_equals_a_normal_build(pos_encoding, attention):
     assert rb.keys() == gb.keys()
     for k in rb:
         assert gb[k].dtype == rb[k].dtype and torch.equal(gb[k], rb[k]), k
-    assert got.lm_head.weight is got.wte.weight
+    assert (got.lm_head.weight is got.wte.weight) == tied
     rp, gp = dict(ref.named_parameters()), dict(got.named_parameters())
     assert rp.keys() == gp.keys()
     for k in rp:
@@ -189,6 +192,12 @@ def test_meta_build_equals_a_normal_build(pos_encoding, attention):
     assert max_diff(got.state_dict(), again.state_dict()) == 0
 
 
+def untied_or(pe):
+    return RoFormerConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                          pos_encoding="rope" if pe == "untied" else pe,
+                          tie_embeddings=pe != "untied")
+
+
 def worker(out):
     """Under torchrun: build the FSDP model for a few position encodings; record this rank's
     local parameter and AdamW-state sizes after a step, and (rank 0) the consolidated initial
@@ -199,9 +208,8 @@ def worker(out):
     from lib import build
     dist.init_process_group("gloo")
     rank, res = dist.get_rank(), {}
-    for pe in ("rope", "sinusoidal", "learned"):
-        cfg = RoFormerConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32,
-                             pos_encoding=pe)
+    for pe in ("rope", "sinusoidal", "learned", "untied"):  # untied: rope, tie_embeddings=False
+        cfg = untied_or(pe)
         raw, model, _ = build.build_model(cfg, 1337, "cpu", fsdp=True)
         full = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True,
                                                                   cpu_offload=True))
@@ -214,7 +222,7 @@ def worker(out):
                               for v in s.values() if v.dim()),
                    "total": sum(p.numel() for p in raw.parameters()),
                    "weights": full, "buffers": dict(raw.named_buffers()),
-                   "tied": raw.lm_head.weight is raw.wte.weight}
+                   "tied": (raw.lm_head.weight is raw.wte.weight) == cfg.tie_embeddings}
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -236,8 +244,7 @@ def test_each_rank_holds_half_and_the_weights_of_one_process(tmp_path):
         assert sum(rk[pe]["opt"] for rk in ranks) == 2 * total  # exp_avg and exp_avg_sq
         for rk in ranks:
             assert abs(rk[pe]["params"] / total - 0.5) < 0.05 and rk[pe]["tied"]
-        cfg = RoFormerConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32,
-                             pos_encoding=pe)
+        cfg = untied_or(pe)
         one, _, _ = build.build_model(cfg, 1337, "cpu")
         assert max_diff(one.state_dict(), rec["weights"]) == 0
         normal = dict(RoFormer(cfg).named_buffers())

@@ -74,6 +74,23 @@ def test_muon_gets_the_blocks_linear_weights_and_adamw_everything_else(pos_encod
     assert [g["base_lr"] for g in opt.param_groups] == [0.02, 1e-3, 1e-3]
 
 
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_an_untied_head_is_adamws_and_decayed_once(name):
+    """tie_embeddings=False: lm_head, the classifier over the vocabulary, stays with AdamW under
+    Muon too (as wte does: Muon is for the hidden layers' maps), in the weight-decayed group,
+    and every parameter is in exactly one group."""
+    m = tiny(tie_embeddings=False)
+    opt = build_optimizer(m, 1e-3, 0.1, name=name)
+    adamw = opt.adamw if name == "muon" else opt
+    groups = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    every = sorted(i for g in groups for i in g)
+    assert every == sorted(id(p) for p in m.parameters()) and len(set(every)) == len(every)
+    decayed = [id(p) for p in adamw.param_groups[0]["params"]]
+    assert adamw.param_groups[0]["weight_decay"] == 0.1
+    assert id(m.lm_head.weight) in decayed and id(m.wte.weight) in decayed
+    assert m.lm_head.weight is not m.wte.weight
+
+
 def newton_schulz_reference(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):
     """Muon's documented orthogonalisation in float64: scale to Frobenius norm 1, then
     X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation."""
