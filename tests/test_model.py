@@ -646,6 +646,10 @@ def test_untied_head_is_its_own_matrix_and_matches_the_float64_reference():
     assert sum(p.numel() for p in m.parameters()) == tied.num_params(False) + V * C
     assert m.num_params() == tied.num_params() and m.num_params(False) == tied.num_params(
         False) + V * C
+    assert m.num_params() == sum(p.numel() for n, p in m.named_parameters() if n != "wte.weight")
+    # the same matmuls per token: the head's, once (a lookup in wte costs no FLOPs)
+    assert flops_per_token(m.config, m.num_params(), 16) == flops_per_token(
+        tied.config, tied.num_params(), 16)
 
 
 def test_tied_and_untied_weights_load_only_where_they_fit():
