@@ -94,6 +94,27 @@ def test_rope_scaling_mistakes_are_one_line(tmp_path, tokenizer):
     assert model.config.rope_factor == 1.0
 
 
+def test_tied_and_untied_runs_load_and_a_mismatch_is_one_line(tmp_path, tokenizer):
+    """load_run (sample.py, eval.py, export.py) gives an untied run its own head and a tied run
+    (also one written before tie_embeddings existed) its tie, each with the saved model's
+    logits; model_args that say tied over an untied model's weights are one line, not wte
+    silently overwritten by the head."""
+    cpu = torch.device("cpu")
+    for name, args in [("tied", {}), ("untied", dict(tie_embeddings=False))]:
+        saved = write_run(str(tmp_path / name), tokenizer, **args).eval()
+        model, _, _ = load_run(str(tmp_path / name), cpu, "float32")
+        assert (model.lm_head.weight is model.wte.weight) == (name == "tied")
+        assert torch.equal(logits(model), logits(saved))
+    path = tmp_path / "untied" / "ckpt.pt"
+    ck = torch.load(path, weights_only=True)
+    old = {k: v for k, v in ck["model_args"].items() if k != "tie_embeddings"}
+    os.makedirs(tmp_path / "old")
+    torch.save(dict(ck, model_args=old), tmp_path / "old" / "ckpt.pt")
+    with pytest.raises(UserError) as e:
+        load_run(str(tmp_path / "old"), cpu, "float32")
+    assert "tie_embeddings" in str(e.value) and "\n" not in str(e.value), e.value
+
+
 def test_a_bad_rope_scaling_flag_is_blamed_on_the_flag(tmp_path, tokenizer):
     """The checkpoint's own config is fine, so a config the flags make invalid is their fault:
     the line names the flags, not ckpt.pt; and ntk at head dim 2 is that line, not a
