@@ -105,13 +105,16 @@ def test_tied_and_untied_runs_load_and_a_mismatch_is_one_line(tmp_path, tokenize
         model, _, _ = load_run(str(tmp_path / name), cpu, "float32")
         assert (model.lm_head.weight is model.wte.weight) == (name == "tied")
         assert torch.equal(logits(model), logits(saved))
-    path = tmp_path / "untied" / "ckpt.pt"
-    ck = torch.load(path, weights_only=True)
-    old = {k: v for k, v in ck["model_args"].items() if k != "tie_embeddings"}
-    os.makedirs(tmp_path / "old")
-    torch.save(dict(ck, model_args=old), tmp_path / "old" / "ckpt.pt")
+    for name in ("tied", "untied"):  # model_args from before the key: tied
+        ck = torch.load(tmp_path / name / "ckpt.pt", weights_only=True)
+        old = {k: v for k, v in ck["model_args"].items() if k != "tie_embeddings"}
+        os.makedirs(tmp_path / f"old_{name}")
+        torch.save(dict(ck, model_args=old), tmp_path / f"old_{name}" / "ckpt.pt")
+    model, _, _ = load_run(str(tmp_path / "old_tied"), cpu, "float32")
+    assert model.lm_head.weight is model.wte.weight
+    assert torch.equal(logits(model), logits(write_run(str(tmp_path / "tied"), tokenizer)))
     with pytest.raises(UserError) as e:
-        load_run(str(tmp_path / "old"), cpu, "float32")
+        load_run(str(tmp_path / "old_untied"), cpu, "float32")
     assert "tie_embeddings" in str(e.value) and "\n" not in str(e.value), e.value
 
 
