@@ -10,15 +10,12 @@ import math
 import torch
 import torch.nn as nn
 
-RELATIVE = ("shaw", "t5", "alibi")  # encodings that bias the attention scores by distance
 
 
 def check(cfg):
     """RoFormerConfig's checks of the baselines' settings (called when pos_encoding != "rope")."""
     pe = cfg.pos_encoding
     for wrong, why in [
-        (cfg.attention == "linear" and pe in RELATIVE, f"pos_encoding={pe!r} biases the "
-         "attention scores, which linear attention never forms: use attention='softmax'"),
         (cfg.t5_max_distance <= cfg.t5_buckets // 2, "t5_max_distance must exceed the "
          f"t5_buckets // 2 = {cfg.t5_buckets // 2} exact buckets"),
         (pe == "sinusoidal" and cfg.n_embd % 2, "sinusoidal positions need an even n_embd"),

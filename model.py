@@ -1,8 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
-transformer, whose position hooks reach the ablation baselines in baselines.py beside it. Also
-beside it: the decoding caches it writes (caches.py, driven by lib/decode.py) and the config's
-rules (model_checks.py)."""
+transformer. Beside it: baselines.py (other position encodings, behind two hooks), caches.py (the
+decoding caches, driven by lib/decode.py), model_checks.py (the config's rules)."""
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -12,10 +11,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import baselines
-from baselines import RELATIVE  # encodings that bias the attention scores by distance
 from caches import KVCache, RecurrentState  # the decoding caches that new_cache makes
-from model_checks import check_config  # the rules a RoFormerConfig keeps
+from model_checks import RELATIVE, check_config, tied_head_check  # the config's rules
+
+
+def baselines():  # baselines.py: loaded only by a model whose pos_encoding is not "rope"
+    import baselines as module
+    return module
 
 
 @dataclass
@@ -194,7 +196,7 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.rel_k = None  # shaw's table in this layer (baselines.add_tables)
         if cfg.pos_encoding != "rope":
-            baselines.add_tables(self, cfg, "attention")
+            baselines().add_tables(self, cfg, "attention")
 
     def rope(self, positions):  # this layer's (cos, sin), None: no rotation
         if not self.rotates:
@@ -258,15 +260,6 @@ class Block(nn.Module):  # pre-norm: x + attn(norm(x)), then x + mlp(norm(x))
         return x + self.mlp(self.ln_2(x))
 
 
-def tied_head_check(state, prefix, *args):
-    """A tied model loads one matrix twice: an untied lm_head would silently overwrite wte."""
-    wte, head = state.get(prefix + "wte.weight"), state.get(prefix + "lm_head.weight")
-    plain = wte is not None and head is not None and not hasattr(head, "device_mesh")
-    if plain and head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
-        args[-1].append("lm_head.weight is not wte.weight, but tie_embeddings=True: these weights "
-                        "are an untied model's (tie_embeddings=False)")
-
-
 class RoFormer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -274,7 +267,7 @@ class RoFormer(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
         if cfg.pos_encoding != "rope":
-            baselines.add_tables(self, cfg, "model")
+            baselines().add_tables(self, cfg, "model")
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -322,7 +315,7 @@ class RoFormer(nn.Module):
                                                                self.local_base())), (-1, -1))
             tables = dict(zip(("rope_cos", "rope_sin"), tables))
         else:
-            tables = {"sin_emb": baselines.sinusoidal_embedding(pos, c.n_embd)}
+            tables = {"sin_emb": baselines().sinusoidal_embedding(pos, c.n_embd)}
         for name, rows in tables.items():
             rows = rows.roll(start % size, 0)  # row i, position start + i, to row p % size
             if size == len(have):
@@ -343,10 +336,11 @@ class RoFormer(nn.Module):
         self.hold_positions(p, 1)
 
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
-        return baselines.position_embedding(self, pos, index)  # None for RoPE
+        if self.config.pos_encoding != "rope":  # RoPE adds nothing (and loads no baseline)
+            return baselines().position_embedding(self, pos, index)
 
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
-        return baselines.position_bias(self, d, visible)
+        return baselines().position_bias(self, d, visible)
 
     def new_cache(self, total_len, device, window=None):  # for lib/decode.py, which passes it
         """to forward; window: how far back a query sees (None: the context window)."""

@@ -1,10 +1,12 @@
 """The rules a RoFormerConfig must keep, beside model.py so that its fields read first: each
 mistake is one ValueError line naming the field (train.py, sample.py and eval.py turn it into
-`error: ...`). A baseline's own settings are checked in baselines.check."""
+`error: ...`), and the check that weights loaded into a tied model fit its one matrix. A
+baseline's own settings are checked in baselines.check."""
 import math
 
-import baselines
-from baselines import RELATIVE
+import torch
+
+RELATIVE = ("shaw", "t5", "alibi")  # the baselines that bias the attention scores by distance
 
 CHOICES = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
            "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
@@ -24,9 +26,13 @@ def check_config(cfg):
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
     if not rope:
+        import baselines  # here: a RoPE model never loads the ablation baselines
         baselines.check(cfg)
     for wrong, why in [
         (cfg.n_embd % cfg.n_head, f"n_embd {cfg.n_embd} must be divisible by n_head"),
+        (cfg.attention == "linear" and cfg.pos_encoding in RELATIVE, f"pos_encoding="
+         f"{cfg.pos_encoding!r} biases the attention scores, which linear attention never "
+         "forms: use attention='softmax'"),
         (rope and hd % 2, f"RoPE rotates channel pairs: head dim {hd} must be even"),
         (rope and cfg.rope_scaling == "ntk" and cfg.rotary_dim <= 2, "rope_scaling='ntk' raises"
          " the base to the power d/(d-2) of the factor: "
@@ -76,3 +82,12 @@ def check_positions(cfg):
          f">= 0, got {cfg.length_temperature}")]:
         if wrong:
             raise ValueError(why)
+
+
+def tied_head_check(state, prefix, *args):
+    """A tied model loads one matrix twice: an untied lm_head would silently overwrite wte."""
+    wte, head = state.get(prefix + "wte.weight"), state.get(prefix + "lm_head.weight")
+    plain = wte is not None and head is not None and not hasattr(head, "device_mesh")
+    if plain and head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
+        args[-1].append("lm_head.weight is not wte.weight, but tie_embeddings=True: these weights "
+                        "are an untied model's (tie_embeddings=False)")

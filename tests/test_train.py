@@ -208,7 +208,7 @@ def imported_by_run(*args):
 # module -> a flag whose path needs it (None: torchrun's, a GPU's): a plain one-process run
 # never runs it, so never imports it (issue 36: the lines of project code a run imports)
 OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon", "lib.torchrun_errors": None,
-                    "lib.gpu_peaks": None}
+                    "lib.gpu_peaks": None, "baselines": "--pos_encoding=learned"}
 
 
 def test_a_plain_run_imports_no_optional_module(data, tmp_path):
