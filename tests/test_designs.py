@@ -91,3 +91,26 @@ def test_a_changed_design_and_a_share_too_big_are_one_line(tmp_path):
     assert designs.ft_iters(args, 10 * 4 * 16 * 4, 16) == 4  # exactly 10%
     with pytest.raises(designs.UserError, match="over --ft_share=0.1"):
         designs.ft_iters(args, 10 * 4 * 16 * 4 - 1, 16)
+
+
+def test_a_failed_script_is_one_line_with_its_reason(tmp_path):
+    """The study stops on a failed script with the script's own `error:` reason and its log."""
+    with pytest.raises(designs.UserError, match=r"train.py failed \(exit 1: unknown config key "
+                                                r"'no_such_key'.*\): see .*bad.log"):
+        designs.sh(["train.py", "--no_such_key=1"], str(tmp_path / "bad.log"))
+
+
+def test_within_noise_reads_compare_results(tmp_path):
+    """A design is within the noise floor where its Δ bits/byte against the reference is at
+    most the far end of the reference-against-itself interval; the reference's arm names are
+    bench/compare.py's (its --variant strings). Reference: the rule applied by hand."""
+    args = designs.parse_args([f"--out={tmp_path}", "--designs=r:;a:window=B/4;b:nope_every=2"])
+    assert designs.compare_specs(args) == {"a": "window=64", "b": "nope_every=2"}
+    arm = lambda name, mean, ci: {"arm": name, "bpb_diff": {"mean": mean, "ci95": ci}}  # noqa
+    os.makedirs(tmp_path / "compare")
+    with open(tmp_path / "compare" / "results.json", "w") as f:
+        json.dump([{"arm": "base", "bpb_diff": None}, arm("base, other seeds", 0.001,
+                   [-0.013, 0.011]), arm("window=64", 0.012, [0.0, 0.03]),
+                   arm("nope_every=2", 0.014, [0.01, 0.02])], f)
+    got = designs.within_noise(args)
+    assert got == {"a": (0.012, 0.013, True), "b": (0.014, 0.013, False)}
