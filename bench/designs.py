@@ -288,8 +288,9 @@ def passkey_mix(args, name, words, tokenizer=None):
                               for d in (multi, single)])
         ids.tofile(os.path.join(folder, f"{split}.bin"))
         meta[f"{split}_tokens"] = int(len(ids))
-    os.symlink(os.path.abspath(os.path.join(multi, "tokenizer.model")),
-               os.path.join(folder, "tokenizer.model"))
+    if not os.path.exists(os.path.join(folder, "tokenizer.model")):  # an interrupted mix
+        os.symlink(os.path.abspath(os.path.join(multi, "tokenizer.model")),
+                   os.path.join(folder, "tokenizer.model"))
     write_atomic(os.path.join(folder, "meta.json"), json.dumps(meta))  # last: the folder is done
     return folder
 
