@@ -65,6 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import runs as bench_runs  # noqa: E402  (read_log, finished, write_atomic: shared with ablation.py)
+from stats import t_cdf, t_quantile  # noqa: E402,F401  (tests/test_compare.py checks them here)
 from lib.common import UserError, cli  # noqa: E402
 
 # The default model and budget when no config file is given: config/small.py's recipe, smaller
@@ -352,49 +353,7 @@ def train_all(args, runs, data):
 
 
 # ----------------------------------------------------------------------------------------
-# statistics: Student's t from the regularised incomplete beta function
-
-def incomplete_beta(a, b, x):
-    """I_x(a, b) by its continued fraction (modified Lentz), on the side where it converges."""
-    if x <= 0 or x >= 1:
-        return float(x >= 1)
-    if x > (a + 1) / (a + b + 2):
-        return 1.0 - incomplete_beta(b, a, 1.0 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x)) / a
-    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(400):
-        m = i // 2
-        if i == 0:
-            num = 1.0
-        elif i % 2 == 0:
-            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        else:
-            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        d = 1.0 + num * d
-        d = 1.0 / (d if abs(d) > tiny else tiny)
-        c = 1.0 + num / c
-        c = c if abs(c) > tiny else tiny
-        f *= c * d
-        if abs(1.0 - c * d) < 1e-15:
-            break
-    return front * (f - 1.0)
-
-
-def t_cdf(t, df):
-    """P(T <= t) for Student's t with df degrees of freedom."""
-    tail = 0.5 * incomplete_beta(df / 2, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
-
-
-def t_quantile(p, df):
-    """The t with t_cdf(t, df) = p, by bisection (t_cdf is increasing)."""
-    lo, hi = -1e3, 1e3
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
+# statistics: a paired t-test (Student's t: bench/stats.py)
 
 def paired(diffs):
     """Mean of the per-seed differences, its 95% interval and the two-sided p-value of a paired
