@@ -41,7 +41,7 @@ DESIGNS = ("rope:;half:rotary_fraction=0.5;"
            "prope:rotary_fraction=0.25 rope_base=10;"  # p-RoPE: 10000 ** 0.25 (docs/MODEL.md)
            "nope4:nope_every=4;local4:window=B/4 global_every=4;"
            "local4_temp:window=B/4 global_every=4 length_temperature=0.3")
-# the fine-tunes' rates: the base run's final ones, which cost 1x the least in issue 30's check
+# the fine-tunes' rates: the base run's final ones, which cost 1x the least in docs/CONTEXT.md's part 1 check
 # (docs/CONTEXT.md, "a gentler fine-tune")
 FT_LR = ["--learning_rate=2e-4", "--muon_lr=0.004", "--min_lr=2e-5"]  # warmup: 5 or fewer
 GAIN, PASSKEY = 0.02, 0.90  # the targets: bits per byte gained at 4x over 1x; passkey at 4x
