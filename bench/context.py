@@ -1,4 +1,4 @@
-"""Issue 30's context-extension study, one command: a RoPE run trained at block B is read at
+"""The context-extension study, one command: a RoPE run trained at block B is read at
 1x, 1.1x, 1.2x, 2x, 4x and 8x B by five methods -- none (plain RoPE past its length), linear
 (position interpolation), ntk, yarn (each with rope_factor = L / B) and local (plain RoPE, each
 token seeing only its last B tokens) -- first at inference only, then after a short fine-tune at

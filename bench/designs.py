@@ -1,4 +1,4 @@
-"""Issue 38's study, one command: each position design (a named set of RoFormerConfig keys) is
+"""The position designs' study, one command: each position design (a named set of RoFormerConfig keys) is
 trained at block B with N seeds, read at 1x..8x B at inference only, then fine-tuned at 4B
 (`train.py --init_from`, at most --ft_share of the pretraining tokens, on documents longer than
 4B) and read again; two models, as bench/context.py: config/small.py's on the default corpus
