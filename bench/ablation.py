@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from runs import finished, read_log, write_atomic  # noqa: E402
+from runs import finished, pyplot, read_log, write_atomic  # noqa: E402
 
 # variant name -> the train.py keys that define it; everything else is shared
 VARIANTS = {
@@ -303,13 +303,9 @@ def training_report(args, runs):
 
 
 def plot(args, by_variant):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib for one)")
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for v, rs in by_variant.items():
         its = [rec["iter"] for rec in rs[0]["log"]]

@@ -451,13 +451,9 @@ def table(records):
 
 
 def plot(args, arms, runs):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib for one)")
+    plt = bench_runs.pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for arm in arms:
         logs = [bench_runs.read_log(r["dir"]) for r in runs if r["arm"] is arm and "result" in r]

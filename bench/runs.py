@@ -1,5 +1,5 @@
 """The run helpers bench/ablation.py and bench/compare.py share: a train.py run folder's
-log, whether a finished run can be reused, and an atomic text write."""
+log, whether a finished run can be reused, an atomic text write, and pyplot where installed."""
 import json
 import os
 
@@ -29,3 +29,15 @@ def finished(run, cmd, max_iters):
     log = read_log(run["dir"])
     return (same and os.path.exists(os.path.join(run["dir"], "ckpt.pt"))
             and bool(log) and log[-1]["iter"] >= max_iters)
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files, or None (said in one line) where it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib for one)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
