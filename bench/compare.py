@@ -69,7 +69,7 @@ from stats import t_cdf, t_quantile  # noqa: E402,F401  (tests/test_compare.py c
 from lib.common import UserError, cli  # noqa: E402
 
 # The default model and budget when no config file is given: config/small.py's recipe, smaller
-# (docs/COMPARE.md has the timing that chose it: 2 arms x 3 seeds within 10 minutes on 2 cores).
+# (docs/COMPARE.md has its timing: 2 arms x 3 seeds within 10 minutes on 2 cores, either CPU kind).
 DEFAULT_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "batch_size": 16,
                  "dropout": 0.0, "optimizer": "muon", "muon_lr": 0.04, "learning_rate": 2e-3,
                  "min_lr": 2e-4, "weight_decay": 0.1}
@@ -85,7 +85,7 @@ def parse_args(argv):
                     help="'KEY=VALUE ...', patch:FILE or base (repeat for several)")
     ap.add_argument("--against", default="", help="the base runs this git revision's code")
     ap.add_argument("--seeds", type=int, default=3, help="runs per arm (seeds 1337, 1338, ...)")
-    ap.add_argument("--max_iters", type=int, default=80)
+    ap.add_argument("--max_iters", type=int, default=300)
     ap.add_argument("--eval_interval", type=int, default=0, help="default: max_iters // 4")
     ap.add_argument("--eval_iters", type=int, default=4, help="train.py's periodic val batches")
     ap.add_argument("--eval_tokens", type=int, default=16384, help="held-out tokens scored")
