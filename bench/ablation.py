@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from runs import finished, pyplot, read_log, write_atomic  # noqa: E402
+from runs import finished, pyplot, read_log, save_figure, write_atomic  # noqa: E402
 
 # variant name -> the train.py keys that define it; everything else is shared
 VARIANTS = {
@@ -325,12 +325,7 @@ def plot(args, by_variant):
     axes[0].legend()
     fig.suptitle(f"{args.n_layer} layers x {args.n_embd}, block {args.block_size}, "
                  f"batch {args.batch_size}, {args.max_iters} steps; band: min–max over seeds")
-    fig.tight_layout()
-    path = os.path.join(args.out, "loss_curves.png")
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, os.path.join(args.out, "loss_curves.png"), dpi=110)
 
 
 # ----------------------------------------------------------------------------------------

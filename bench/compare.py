@@ -471,12 +471,7 @@ def plot(args, arms, runs):
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(f"{args.max_iters} iterations per run; line: mean, band: min–max over seeds")
-    fig.tight_layout()
-    path = os.path.join(args.out, "compare.png")
-    fig.savefig(path + ".tmp.png", dpi=100)
-    os.replace(path + ".tmp.png", path)
-    plt.close(fig)
-    return path
+    return bench_runs.save_figure(plt, fig, os.path.join(args.out, "compare.png"), dpi=100)
 
 
 @cli

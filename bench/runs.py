@@ -1,5 +1,6 @@
 """The run helpers bench/ablation.py and bench/compare.py share: a train.py run folder's
-log, whether a finished run can be reused, an atomic text write, and pyplot where installed."""
+log, whether a finished run can be reused, atomic text and figure writes, and pyplot where
+installed."""
 import json
 import os
 
@@ -41,3 +42,12 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(plt, fig, path, dpi):
+    """Write fig to path atomically (a temp file, then a rename) and close it; returns path."""
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=dpi)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
+    return path
