@@ -16,8 +16,8 @@ their own B). Resumable: a run whose log reached its last iteration and an evalu
 JSON exists are reused (bench/study.py); a design name is bound to its keys in --out, so that
 a changed design is never read from another's runs. Under --out (default
 bench/results/designs, git-ignored): runs/, logs/, evals/, data/, compare/ (bench/compare.py's
-folder), results.json (rows, runs with their wall minutes, fine-tune shares, targets) and
-tables.md.
+folder), results.json (rows, runs with their wall minutes, fine-tune shares, targets),
+tables.md and designs.png (the plot, where matplotlib is installed).
 """
 import argparse
 import dataclasses
@@ -34,7 +34,7 @@ import study  # noqa: E402  (the run helpers: shared with context.py)
 from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_of,  # noqa: E402
                    passkey_corpus, sh, tag_rows, train)
 from stats import interval  # noqa: E402
-from runs import write_atomic  # noqa: E402
+from runs import pyplot, save_figure, write_atomic  # noqa: E402
 from lib.common import UserError, cli  # noqa: E402
 
 DESIGNS = ("rope:;half:rotary_fraction=0.5;"
@@ -449,6 +449,44 @@ def runs_record(out):
     return runs
 
 
+def plot(args, rows, path):
+    """Three panels against the window length (mean over seeds; dashed: inference only, solid:
+    fine-tuned at 4x): bits per byte on long text, passkey accuracy with 1 key and with K."""
+    plt = pyplot()
+    if plt is None or not rows:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [(axes[0], "text", 0, "bits_per_byte", "long text: bits per byte"),
+              (axes[1], "passkey", 1, "accuracy", "passkey, 1 key: accuracy"),
+              (axes[2], "passkey", args.pk_keys, "accuracy", f"passkey, {args.pk_keys} keys: "
+                                                               f"accuracy")]
+    colors = dict(zip(args.designs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
+    for ax, model, keys, key, title in panels:
+        block = args.block_size if model == "text" else args.pk_block
+        for d in args.designs:
+            for stage, ls in (("inference", "--"), ("finetuned", "-")):
+                match = dict(model=model, design=d, stage=stage) | (
+                    dict(keys=keys) if keys else {})
+                pts = sorted({r["length"] for r in rows if all(r.get(k) == v for k, v in
+                                                              match.items())})
+                ys = [np.mean(list(seed_means(rows, key, length=n, **match).values()))
+                      for n in pts]
+                if pts:
+                    ax.plot([n / block for n in pts], ys, ls=ls, marker="o", ms=3,
+                            color=colors[d], label=d if stage == "finetuned" else None)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 8], ["1x", "2x", "4x", "8x"])
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("window, multiples of the trained block")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("bits per byte (lower is better)")
+    axes[1].set_ylabel("mean accuracy over depths")
+    for ax in axes[1:]:
+        ax.set_ylim(-0.03, 1.03)
+    fig.suptitle("dashed: inference only; solid: fine-tuned at 4x", fontsize=9)
+    return save_figure(plt, fig, path, dpi=80)
+
+
 def report(args, rows, shares, info):
     runs, B, bp, names = runs_record(args.out), args.block_size, args.pk_block, list(args.designs)
     tg = targets(args, rows)
@@ -474,6 +512,8 @@ def report(args, rows, shares, info):
     write_atomic(os.path.join(args.out, "results.json"), json.dumps(
         dict(designs=args.designs, runs=runs, shares=shares, info=info, targets=tg, rows=rows),
         indent=1))
+    if plot(args, rows, os.path.join(args.out, "designs.png")):
+        print(f"wrote {args.out}/designs.png")
     print("\n".join(parts[1:4]))
     print(f"wrote {args.out}/tables.md and results.json")
 

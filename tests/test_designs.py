@@ -75,6 +75,8 @@ def test_designs_study_rows_share_and_reuse(tmp_path, monkeypatch, capsys):
         assert len(got) == 2 and all(s["ft_tokens"] == ft_iters * 4 * block and s["share"] ==
                                      ft_iters * 4 * block / base <= SHARE for s in got)
     assert all(r["minutes"] > 0 for r in res["runs"].values()) and len(res["runs"]) == 8
+    if importlib.util.find_spec("matplotlib"):  # the plot beside the tables
+        assert os.path.getsize(tmp_path / "out" / "designs.png") > 0
     before = files(tmp_path / "out" / "runs") | files(tmp_path / "out" / "evals")
     capsys.readouterr()
     study(tmp_path, str(tmp_path / "data"))
