@@ -48,6 +48,7 @@ dtype = "auto"          # auto: bfloat16 on a CUDA GPU that supports it (else fl
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
 rope_scaling = ""       # "" keeps the checkpoint's; none, linear, ntk or yarn, as sample.py
 rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is original context * factor
+length_temperature = -1.0  # -1 keeps the checkpoint's; t >= 0: queries past the context x 1 + t ln
 json = False            # print one JSON line instead of the table
 lengths = ""            # L1,L2,...: a row per window length ("": the model's window)
 window_mode = "full"    # local: each token sees only its last context_window tokens (a band)
@@ -58,7 +59,8 @@ seed = 1337             # --passkey: draws the keys and where the filler starts
 keys = 1                # --passkey: labelled keys in each prompt, the question names one
 # -----------------------------------------------------------------------------------------
 CONFIG_KEYS = ("out_dir", "input", "split", "text_field", "stride", "batch_size", "device",
-               "dtype", "tokenizer", "rope_scaling", "rope_factor", "json", "lengths",
+               "dtype", "tokenizer", "rope_scaling", "rope_factor", "length_temperature",
+               "json", "lengths",
                "window_mode", "passkey", "depths", "samples", "seed", "keys")
 ANSWER = 7  # tokens --passkey decodes: " 12345" takes 6 at most, 1 more shows no digit follows
 
@@ -280,7 +282,8 @@ def main(argv):
         except OSError as e:
             raise UserError(f"cannot read {e.filename}: {e.strerror}") from None
     model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
-                               cfg["rope_scaling"], cfg["rope_factor"])
+                               cfg["rope_scaling"], cfg["rope_factor"],
+                               cfg["length_temperature"])
     lengths = cfg["lengths"] or [model.config.context_window]
     band = check_lengths(model, cfg, lengths)
     eos = sp.eos_id()

@@ -42,6 +42,7 @@ compile = "auto"        # compile the per-token decode step: True | False | auto
 stop_at_eos = True      # a sample ends when the model closes its document
 rope_scaling = ""       # "" keeps the checkpoint's; "none" | "linear" | "ntk" | "yarn" override it
 rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is original context * factor
+length_temperature = -1.0  # -1 keeps the checkpoint's; t >= 0: queries past the context x 1 + t ln
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
 # -----------------------------------------------------------------------------------------
 
@@ -97,7 +98,7 @@ def parse_args(argv):
     """The settings, checked before anything loads: a typo should not wait for a checkpoint."""
     names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
              "seed", "device", "dtype", "use_cache", "compile", "stop_at_eos", "rope_scaling",
-             "rope_factor", "tokenizer")
+             "rope_factor", "length_temperature", "tokenizer")
     cfg = configure({k: globals()[k] for k in names}, argv)
     try:
         decode.check_sampling(cfg["temperature"], cfg["top_k"] or None, cfg["top_p"])
@@ -209,7 +210,8 @@ def main(argv):
     device, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
     prompt_text = read_prompt(cfg["start"])
     model, sp, ckpt = load_run(cfg["out_dir"], device, cfg["dtype"], cfg["tokenizer"],
-                               cfg["rope_scaling"], cfg["rope_factor"])
+                               cfg["rope_scaling"], cfg["rope_factor"],
+                               cfg["length_temperature"])
     print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
     prompt_ids = encode_prompt(sp, prompt_text)
     compiled = compile_pays(cfg["compile"], device, cfg["max_new_tokens"]) and cfg["use_cache"]

@@ -14,10 +14,12 @@ from lib.common import UserError
 from model import RoFormer, RoFormerConfig
 
 
-def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=0.0):
+def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=0.0,
+             length_temperature=-1.0):
     """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
-    checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) change the
-    rotation at inference, which needs no retraining."""
+    checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) and
+    length_temperature (-1: keep the checkpoint's) change positions past the trained context at inference,
+    which needs no retraining."""
     if not out_dir:
         raise UserError("out_dir is empty: pass the run's folder, --out_dir=DIR")
     if not os.path.isdir(out_dir):
@@ -30,13 +32,18 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
         config = RoFormerConfig(**ckpt["model_args"])
     except (TypeError, ValueError) as e:
         raise UserError(f"model config in {ckpt_path}: {e}") from None
-    if rope_scaling or rope_factor:  # the checkpoint's config is valid: a refusal is the flags'
+    flags = {k: v for k, v in (("rope_scaling", rope_scaling), ("rope_factor", rope_factor))
+             if v}
+    if length_temperature != -1:  # -1: keep; any other value, 0 (off) included, is the flag's
+        flags["length_temperature"] = float(length_temperature)
+    if flags:  # the checkpoint's config is valid: a refusal is the flags'
         args = rescale(ckpt["model_args"], rope_scaling, rope_factor)
+        args["length_temperature"] = flags.get("length_temperature",
+                                               args.get("length_temperature", 0.0))
         try:
             config = RoFormerConfig(**args)
         except ValueError as e:
-            flags = {"rope_scaling": rope_scaling, "rope_factor": rope_factor}
-            flags = " ".join(f"--{k}={v}" for k, v in flags.items() if v)
+            flags = " ".join(f"--{k}={v}" for k, v in flags.items())
             raise UserError(f"{flags} does not fit this model: {e}") from None
     model = RoFormer(config)
     try:
@@ -122,8 +129,9 @@ def describe(out_dir, ckpt, model):
     """One line about the loaded run, for stderr."""
     c, p = model.config, next(model.parameters())
     dtype = str(p.dtype).removeprefix("torch.")
+    temperature = f", length temperature {c.length_temperature:g}" if c.length_temperature else ""
     return (f"{os.path.join(out_dir, 'ckpt.pt')}: iter {ckpt.get('iter_num')}, val loss "
             f"{ckpt.get('best_val_loss', float('nan')):.4f}, {model.num_params() / 1e6:.2f}M "
             f"params, {c.attention} attention, {c.pos_encoding} positions, rope_scaling "
             f"{c.rope_scaling} x{c.rope_factor:g}, window {c.context_window} (original context "
-            f"{c.original_context}); {p.device} {dtype}")
+            f"{c.original_context}){temperature}; {p.device} {dtype}")

@@ -260,6 +260,26 @@ def test_rope_scaling_widens_the_scoring_window(run, capsys, scaling):
     assert r["nats_per_token"] == pytest.approx(nats / r["tokens"], rel=1e-5)
 
 
+def test_length_temperature_at_inference_reaches_the_model(run, capsys):
+    """--length_temperature=t scores with the checkpoint's weights in a model whose config has
+    t (reference: that model built by hand, every target scored alone); past the trained
+    context it changes the score; -1 keeps the checkpoint's; a negative t is one line."""
+    files = [run["root"] / "long.txt", run["root"] / "short.txt"]
+    docs = [f.read_text(encoding="utf-8") for f in files]
+    window = 2 * BLOCK  # past the trained context: where the temperature acts
+    args = (f"--out_dir={run['out']}", f"--input={files[0]},{files[1]}", f"--lengths={window}",
+            "--batch_size=3")
+    warm = json_eval(capsys, *args, "--length_temperature=2")
+    plain = json_eval(capsys, *args)
+    ref = reference_nats(load_model(run, length_temperature=2.0), run["sp"], docs, window,
+                         window // 2)
+    assert warm["nats_per_token"] == pytest.approx(ref / warm["tokens"], rel=1e-5)
+    assert abs(warm["nats_per_token"] - plain["nats_per_token"]) > 1e-4
+    msg = one_line_error(evalpy.main, [*args, "--length_temperature=-0.5"])
+    assert msg.startswith("error: --length_temperature=-0.5 does not fit this model: "
+                          "length_temperature must be finite and >= 0"), msg
+
+
 def test_bytes_are_the_files_bytes_crlf_kept(run, capsys, tmp_path):
     """A CRLF file is scored as it is on disk: its \\r tokens scored, its bytes counted."""
     docs = [t.replace("\n", "\r\n") for _, t in corpus_docs(2, seed=6)]

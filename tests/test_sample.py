@@ -113,7 +113,8 @@ def reference(out_dir, prompt_ids, n, seed, num_samples=1, **kw):
     """Tokens from lib.decode.generate (not the stream) with sample.py's seeding, each row cut at
     the first end-of-document token, decoded in one go."""
     ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
-    args = dict(ckpt["model_args"], **{k: kw.pop(k) for k in ("rope_scaling", "rope_factor") if k in kw})
+    args = dict(ckpt["model_args"], **{k: kw.pop(k) for k in ("rope_scaling", "rope_factor",
+                                                   "length_temperature") if k in kw})
     model = RoFormer(RoFormerConfig(**args)).eval()
     model.load_state_dict(ckpt["model"])
     x = torch.tensor(prompt_ids)[None].repeat(num_samples, 1)
@@ -338,6 +339,21 @@ def test_rope_scaling_override_reaches_the_model(ws, capsys, tmp_path, scaling):
     assert f"rope_scaling {scaling} x4" in r.err
     (ref,) = reference(str(tmp_path), sp.encode("def f"), n, 2, temperature=1.0,
                        rope_scaling=scaling, rope_factor=4.0)
+    assert r.out == sp.decode(ref) + "\n"
+    assert r.out != run(capsys, *a).out  # the override changed what was sampled
+
+
+def test_length_temperature_override_reaches_the_model(ws, capsys, tmp_path):
+    """--length_temperature=t samples past the trained context as the reference model with t in
+    its config does (sharpened attention, as above), not as the plain one; the summary says t."""
+    sharpened(ws["softmax"], tmp_path)
+    sp, n = ws["sp"], 2 * BLOCK
+    a = (f"--out_dir={tmp_path}", "--start=def f", f"--max_new_tokens={n}",
+         "--temperature=1.0", "--top_k=0", "--stop_at_eos=False", "--seed=2")
+    r = run(capsys, *a, "--length_temperature=2")
+    assert "length temperature 2" in r.err
+    (ref,) = reference(str(tmp_path), sp.encode("def f"), n, 2, temperature=1.0,
+                       length_temperature=2.0)
     assert r.out == sp.decode(ref) + "\n"
     assert r.out != run(capsys, *a).out  # the override changed what was sampled
 
