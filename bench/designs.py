@@ -9,6 +9,7 @@ RoPE at equal tokens is bench/compare.py's (stage `compare`); the report checks 
     python bench/designs.py                                  # everything at the defaults
     python bench/designs.py --stages=text,report --seeds=1   # a part; finished work is reused
     python bench/designs.py --designs='rope:;half:rotary_fraction=0.5'
+    python bench/designs.py --readings="temp03:--length_temperature=0.3"  # base runs read again
 
 --designs: `NAME:KEY=VALUE KEY=VALUE;NAME:...`; the first is the reference (plain RoPE by
 default); a value `B/n` is the model's block divided by n (the text and passkey models have
@@ -74,6 +75,9 @@ def parse_args(argv):
     p.add_argument("--pk_samples", type=int, default=20, help="passkey prompts per cell")
     p.add_argument("--pk_depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--compare_seeds", type=int, default=3, help="bench/compare.py's --seeds")
+    p.add_argument("--readings", default="", help="NAME:EVAL_ARGS;..: every base run read again "
+                   "with eval.py's EVAL_ARGS, at inference only (stage inference+NAME), e.g. "
+                   "'temp03:--length_temperature=0.3'")
     args = p.parse_args(argv)
     args.stages = args.stages.split(",")
     unknown = set(args.stages) - {"text", "passkey", "compare", "report"}
@@ -82,6 +86,7 @@ def parse_args(argv):
                         f"compare, report)")
     args.multiples = [float(m) for m in args.multiples.split(",")]
     args.designs = parse_designs(args.designs)
+    args.readings = parse_readings(args.readings)
     args.train = args.train.split()
     if args.seeds < 1 or not 0 < args.ft_share <= 1:
         raise UserError("need --seeds >= 1 and 0 < --ft_share <= 1")
@@ -116,6 +121,18 @@ def parse_designs(spec):
     if not designs:
         raise UserError("--designs: no design given")
     return designs
+
+
+def parse_readings(spec):
+    """{name: eval.py arguments}: the extra inference-only readings of every base run."""
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        name, colon, extra = item.partition(":")
+        if not colon or not name.isidentifier() or not extra.split() or name in out:
+            raise UserError(f"--readings: {item!r} is not NAME:EVAL_ARGS with a new NAME "
+                            f"(letters, digits, _)")
+        out[name] = extra.split()
+    return out
 
 
 def resolve(value, block):
@@ -240,10 +257,12 @@ def design_rows(args, bar, model, block, base_cmd, ft_cmd, evals):
             ft, share = step(bar, tag + "_ft4x", fine_tune, args, tag + "_ft4x", base, block,
                              ft_cmd[0], [f"--seed={seed}"] + ft_cmd[1])
             shares.append(dict(share, model=model, design=name, seed=seed))
-            for stage, run, suffix in [("inference", base, ""), ("finetuned", ft, "_ft4x")]:
+            readings = [("inference", base, "", []), ("finetuned", ft, "_ft4x", [])] + [
+                (f"inference+{r}", base, f"_{r}", more) for r, more in args.readings.items()]
+            for stage, run, suffix, more in readings:
                 for what, extra in evals.items():
                     got = step(bar, tag + suffix + what, evaluate, args.out, tag + suffix + what,
-                               run, extra)
+                               run, extra + more)
                     rows += tag_rows(got, model=model, design=name, seed=seed, stage=stage,
                                      keys=int(what[2:]) if what else 0)
     return rows, shares
@@ -411,15 +430,31 @@ def targets(args, rows):
         met = [bool(gain) and interval(gain)[0] >= GAIN,
                bool(pk[1]) and interval(pk[1])[0] >= PASSKEY, bool(cmp) and cmp[2]]
         out[d] = dict(gain=gain, passkey_4x=pk[1], multikey_4x=pk[args.pk_keys],
-                      vs_reference_1x=cmp, met=met)
+                      vs_reference_1x=cmp, met=met, inference_only=inference_only(args, rows, d))
     return out
+
+
+def inference_only(args, rows, d):
+    """The design's best reading without a fine-tune (plain, or one of --readings): its stage,
+    the gain of its 4x window over the base's 1x on text (per seed) and its passkey at 4x."""
+    B, best = args.block_size, None
+    at1 = seed_means(rows, "bits_per_byte", model="text", stage="inference", design=d, length=B)
+    for stage in ["inference"] + [f"inference+{r}" for r in args.readings]:
+        at4 = seed_means(rows, "bits_per_byte", model="text", stage=stage, design=d, length=4 * B)
+        gain = [at1[s] - at4[s] for s in at1 if s in at4]
+        pk = list(seed_means(rows, "accuracy", model="passkey", stage=stage, design=d,
+                             length=4 * args.pk_block, keys=1).values())
+        if gain and (best is None or np.mean(gain) > np.mean(best[1])):
+            best = (stage, gain, pk)
+    return best
 
 
 def targets_table(args, tg):
     ok = {True: "yes", False: "no"}
     lines = [f"| design | 4x fine-tuned gain over 1x (target ≥ {GAIN}) | passkey 4x (target ≥ "
              f"{PASSKEY}) | {args.pk_keys}-key 4x | 1x Δ vs {next(iter(args.designs))} "
-             f"(noise floor) | targets met |", "|---|---:|---:|---:|---:|---:|"]
+             f"(noise floor) | targets met | inference only: 4x gain, passkey 4x |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for d, t in tg.items():
         cmp = t["vs_reference_1x"]
         cmp_cell = ("reference" if cmp and cmp[1] is None else
@@ -427,7 +462,8 @@ def targets_table(args, tg):
                     if cmp else "not run (stage compare)")
         lines.append(f"| {d} | {show(t['gain'])} | {show(t['passkey_4x'], '{:.2f}')} | "
                      f"{show(t['multikey_4x'], '{:.2f}')} | {cmp_cell} | "
-                     f"{sum(t['met'])}/3 ({', '.join(ok[m] for m in t['met'])}) |")
+                     f"{sum(t['met'])}/3 ({', '.join(ok[m] for m in t['met'])}) | "
+                     f"{inference_cell(t['inference_only'])} |")
     if not any(t["gain"] for t in tg.values()):
         return "\n".join(lines + ["\nBest design: none yet (no fine-tuned text readings)."])
     best = max(tg, key=lambda d: (sum(tg[d]["met"]), interval(tg[d]["gain"])[0]
@@ -435,6 +471,13 @@ def targets_table(args, tg):
     lines.append(f"\nBest design: **{best}**, {sum(tg[best]['met'])} of 3 targets met "
                  f"(gain, passkey, 1x within noise).")
     return "\n".join(lines)
+
+
+def inference_cell(best):
+    if not best:
+        return ""
+    stage, gain, pk = best
+    return f"{show(gain)}, {show(pk, '{:.2f}') or 'not read'} ({stage})"
 
 
 def runs_record(out):
@@ -501,7 +544,7 @@ def report(args, rows, shares, info):
               "\n| run | fine-tune tokens | pretraining tokens | share |", "|---|---:|---:|---:|"]
     parts += [f"| {s['run']} | {s['ft_tokens']:,} | {s['base_tokens']:,} | {s['share']:.1%} |"
               for s in shares]
-    for stage in ("inference", "finetuned"):
+    for stage in ["inference", "finetuned"] + [f"inference+{r}" for r in args.readings]:
         parts += [f"\n## Text, {stage}: bits per byte (mean ± 95% interval over seeds)\n",
                   grid(rows, names, "bits_per_byte", B, "{:.4f}", model="text", stage=stage)]
         for k in (1, args.pk_keys):
@@ -533,7 +576,8 @@ def main(argv):
     args = parse_args(argv)
     bind_designs(args.out, args.designs)
     t0, n = time.time(), args.seeds * len(args.designs)
-    steps = {"text": 4 * n, "passkey": 6 * n, "compare": 1}
+    r = len(args.readings)
+    steps = {"text": (4 + r) * n, "passkey": (6 + 2 * r) * n, "compare": 1}
     total = sum(steps[s] for s in args.stages if s in steps)
     bar = tqdm(total=total, unit="step", desc="designs", dynamic_ncols=True, disable=not total)
     study.ECHO = bar.write

@@ -41,7 +41,7 @@ def study(tmp_path, data):
             f"--iters={ITERS}", "--eval_docs=2", "--eval_doc_tokens=160",
             f"--ft_share={SHARE}", "--ft_batch=1", f"--pk_block={PK_BLOCK}", "--pk_iters=4",
             "--pk_docs=300", "--pk_vocab=600", "--pk_keys=2", "--pk_samples=2",
-            "--pk_depths=0,1"]
+            "--pk_depths=0,1", "--readings=warm:--length_temperature=2"]
     designs.main(argv)
     with open(tmp_path / "out" / "results.json") as f:
         return json.load(f)
@@ -58,7 +58,7 @@ def test_designs_study_rows_share_and_reuse(tmp_path, monkeypatch, capsys):
     res = study(tmp_path, corpus(str(tmp_path / "data")))
     rows = res["rows"]
     for d in ("rope", "local"):
-        for stage in ("inference", "finetuned"):
+        for stage in ("inference", "finetuned", "inference+warm"):
             text = {r["length"] for r in rows if (r["model"], r["design"], r["stage"]) ==
                     ("text", d, stage)}
             assert text == {B, 2 * B, 4 * B, 8 * B}, (d, stage)
@@ -75,6 +75,14 @@ def test_designs_study_rows_share_and_reuse(tmp_path, monkeypatch, capsys):
         assert len(got) == 2 and all(s["ft_tokens"] == ft_iters * 4 * block and s["share"] ==
                                      ft_iters * 4 * block / base <= SHARE for s in got)
     assert all(r["minutes"] > 0 for r in res["runs"].values()) and len(res["runs"]) == 8
+    # a reading with a length temperature: the base run itself at 1x (the identity inside the
+    # trained context), another score past it
+    bpb = {(r["design"], r["stage"], r["length"]): r["bits_per_byte"] for r in rows
+           if r["model"] == "text" and r["seed"] == 1337}
+    for d in ("rope", "local"):
+        assert bpb[d, "inference+warm", B] == pytest.approx(bpb[d, "inference", B], abs=1e-6)
+        assert abs(bpb[d, "inference+warm", 8 * B] - bpb[d, "inference", 8 * B]) > 1e-4
+    assert res["targets"]["rope"]["inference_only"][0] in ("inference", "inference+warm")
     if importlib.util.find_spec("matplotlib"):  # the plot beside the tables
         assert os.path.getsize(tmp_path / "out" / "designs.png") > 0
     before = files(tmp_path / "out" / "runs") | files(tmp_path / "out" / "evals")
