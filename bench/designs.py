@@ -45,6 +45,9 @@ DESIGNS = ("rope:;half:rotary_fraction=0.5;"
 # the fine-tunes' rates: the base run's final ones, which cost 1x the least in docs/CONTEXT.md's part 1 check
 # (docs/CONTEXT.md, "a gentler fine-tune")
 FT_LR = ["--learning_rate=2e-4", "--muon_lr=0.004", "--min_lr=2e-5"]  # warmup: 5 or fewer
+# the passkey model's: part 1's fine-tune rates, which taught far recall (at FT_LR's, a passkey
+# model that recalls nothing at 1x learns nothing more in its fine-tune: docs/CONTEXT.md)
+PK_FT_LR = ["--learning_rate=6e-4", "--muon_lr=0.01", "--min_lr=6e-5"]
 GAIN, PASSKEY = 0.02, 0.90  # the targets: bits per byte gained at 4x over 1x; passkey at 4x
 
 
@@ -215,15 +218,16 @@ def ft_iters(args, base_tokens, block):
     return iters
 
 
-def fine_tune(args, name, base, block, data, extra):
-    """The base run continued at 4 * block on `data`; returns (run, its share record)."""
+def fine_tune(args, name, base, block, data, extra, rates):
+    """The base run continued at 4 * block on `data` at `rates`; returns (run, its share
+    record)."""
     base_tokens = last_line(os.path.join(base, "log.jsonl"))["tokens"]
     iters = ft_iters(args, base_tokens, block)
     run = train(args.out, name, ["config/small.py"] + extra + args.train + [
         f"--data_dir={data}", f"--init_from={base}", f"--block_size={4 * block}",
         f"--batch_size={args.ft_batch}", "--gradient_accumulation_steps=1",
         f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
-        f"--warmup_iters={min(5, iters)}"] + FT_LR,
+        f"--warmup_iters={min(5, iters)}"] + rates,
         iters)
     tokens = last_line(os.path.join(run, "log.jsonl"))["tokens"]
     share = dict(run=name, base_tokens=base_tokens, ft_tokens=tokens, share=tokens / base_tokens)
@@ -246,7 +250,8 @@ def step(bar, label, fn, *a):
 def design_rows(args, bar, model, block, base_cmd, ft_cmd, evals):
     """Every design and seed of one model, seed-major (a change of load falls on every design
     alike): base run, its readings, fine-tune at 4 * block, its readings. base_cmd(keys, seed)
-    is the base's train.py arguments; ft_cmd: (the fine-tune's data, its model arguments);
+    is the base's train.py arguments; ft_cmd: (the fine-tune's data, its model arguments, its
+    rates);
     evals: {suffix: eval.py arguments}. Returns (rows, fine-tune share records)."""
     rows, shares = [], []
     iters = args.iters if model == "text" else args.pk_iters
@@ -255,7 +260,7 @@ def design_rows(args, bar, model, block, base_cmd, ft_cmd, evals):
             tag = f"{model}_{name}_s{seed}"
             base = step(bar, tag, train, args.out, tag, base_cmd(keys, seed), iters)
             ft, share = step(bar, tag + "_ft4x", fine_tune, args, tag + "_ft4x", base, block,
-                             ft_cmd[0], [f"--seed={seed}"] + ft_cmd[1])
+                             ft_cmd[0], [f"--seed={seed}"] + ft_cmd[1], ft_cmd[2])
             shares.append(dict(share, model=model, design=name, seed=seed))
             readings = [("inference", base, "", []), ("finetuned", ft, "_ft4x", [])] + [
                 (f"inference+{r}", base, f"_{r}", more) for r, more in args.readings.items()]
@@ -283,7 +288,7 @@ def text_study(args, bar):
                 f"--lr_decay_iters={args.iters}", f"--seed={seed}"] + args.train + \
                design_args(keys, B)
     lengths = ",".join(map(str, lengths_of(B, args.multiples)))
-    rows, shares = design_rows(args, bar, "text", B, base_cmd, (long, []),
+    rows, shares = design_rows(args, bar, "text", B, base_cmd, (long, [], FT_LR),
                                {"": [f"--input={folder}", f"--lengths={lengths}"]})
     return rows, shares, dict(text_ft_documents=info)
 
@@ -333,7 +338,7 @@ def passkey_study(args, bar):
     grid = ["--passkey", f"--depths={args.pk_depths}", f"--samples={args.pk_samples}",
             "--seed=4242", f"--lengths={','.join(map(str, lengths_of(bp, [1, 2, 4, 8])))}"]
     rows, shares = design_rows(
-        args, bar, "passkey", bp, base_cmd, (long, model[:1]),
+        args, bar, "passkey", bp, base_cmd, (long, model[:1], PK_FT_LR),
         {"_k1": grid + ["--keys=1"], f"_k{k}": grid + [f"--keys={k}"]})
     return rows, shares, dict(passkey_ft_documents=f"0-{words(4 * bp)} filler words, "
                               f"1 unlabelled key or 1-{k} labelled ones, up to {4 * bp} tokens")
