@@ -74,7 +74,7 @@ def parse_args(argv):
     p.add_argument("--pk_iters", type=int, default=1500)
     p.add_argument("--pk_docs", type=int, default=60000, help="passkey training documents")
     p.add_argument("--pk_vocab", type=int, default=1024, help="the passkey tokenizer's vocab")
-    p.add_argument("--pk_keys", type=int, default=4, help="keys of the multi-key grid")
+    p.add_argument("--pk_keys", type=int, default=4, help="keys of the multi-key grid (1: none)")
     p.add_argument("--pk_samples", type=int, default=20, help="passkey prompts per cell")
     p.add_argument("--pk_depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--compare_seeds", type=int, default=3, help="bench/compare.py's --seeds")
@@ -295,7 +295,8 @@ def text_study(args, bar):
 
 def passkey_mix(args, name, words, tokenizer=None):
     """out/data/name: half the documents with one unlabelled key, half with 1..--pk_keys
-    labelled ones (one tokenizer), so that both grids ask what training showed."""
+    labelled ones (one tokenizer), so that both grids ask what training showed; with
+    --pk_keys=1 both halves hold one unlabelled key (two seeds), and there is one grid."""
     folder = os.path.join(args.out, "data", name)
     if os.path.exists(os.path.join(folder, "meta.json")):
         return folder
@@ -340,8 +341,9 @@ def passkey_study(args, bar):
     rows, shares = design_rows(
         args, bar, "passkey", bp, base_cmd, (long, model[:1], PK_FT_LR),
         {"_k1": grid + ["--keys=1"], f"_k{k}": grid + [f"--keys={k}"]})
-    return rows, shares, dict(passkey_ft_documents=f"0-{words(4 * bp)} filler words, "
-                              f"1 unlabelled key or 1-{k} labelled ones, up to {4 * bp} tokens")
+    keys = "1 unlabelled key" + (f" or 1-{k} labelled ones" if k > 1 else "")
+    return rows, shares, dict(passkey_ft_documents=f"0-{words(4 * bp)} filler words, {keys}, "
+                              f"up to {4 * bp} tokens")
 
 
 # ----------------------------------------------------------------------------------------
@@ -581,8 +583,8 @@ def main(argv):
     args = parse_args(argv)
     bind_designs(args.out, args.designs)
     t0, n = time.time(), args.seeds * len(args.designs)
-    r = len(args.readings)
-    steps = {"text": (4 + r) * n, "passkey": (6 + 2 * r) * n, "compare": 1}
+    r, grids = len(args.readings), 1 + (args.pk_keys > 1)  # passkey: one grid or two a run
+    steps = {"text": (4 + r) * n, "passkey": (2 + (2 + r) * grids) * n, "compare": 1}
     total = sum(steps[s] for s in args.stages if s in steps)
     bar = tqdm(total=total, unit="step", desc="designs", dynamic_ncols=True, disable=not total)
     study.ECHO = bar.write
