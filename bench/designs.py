@@ -41,6 +41,7 @@ from lib.common import UserError, cli  # noqa: E402
 DESIGNS = ("rope:;half:rotary_fraction=0.5;"
            "prope:rotary_fraction=0.25 rope_base=10;"  # p-RoPE: 10000 ** 0.25 (docs/MODEL.md)
            "nope4:nope_every=4;local4:window=B/4 global_every=4;"
+           "rnope_swa:window=B/4 global_every=4 nope_every=4;"  # RNoPE-SWA: the global layers NoPE
            "local4_temp:window=B/4 global_every=4 length_temperature=0.3")
 # the fine-tunes' rates: the base run's final ones, which cost 1x the least in docs/CONTEXT.md's part 1 check
 # (docs/CONTEXT.md, "a gentler fine-tune")
@@ -74,7 +75,8 @@ def parse_args(argv):
     p.add_argument("--pk_iters", type=int, default=1500)
     p.add_argument("--pk_docs", type=int, default=60000, help="passkey training documents")
     p.add_argument("--pk_vocab", type=int, default=1024, help="the passkey tokenizer's vocab")
-    p.add_argument("--pk_keys", type=int, default=4, help="keys of the multi-key grid (1: none)")
+    p.add_argument("--pk_keys", type=int, default=1, help="keys of the multi-key grid (1: none; "
+                   "K > 1 trains on a mix that taught no retrieval in 1,500 iterations here)")
     p.add_argument("--pk_samples", type=int, default=20, help="passkey prompts per cell")
     p.add_argument("--pk_depths", default="0,0.25,0.5,0.75,1")
     p.add_argument("--compare_seeds", type=int, default=3, help="bench/compare.py's --seeds")
@@ -505,11 +507,13 @@ def plot(args, rows, path):
     plt = pyplot()
     if plt is None or not rows:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = [(axes[0], "text", 0, "bits_per_byte", "long text: bits per byte"),
-              (axes[1], "passkey", 1, "accuracy", "passkey, 1 key: accuracy"),
-              (axes[2], "passkey", args.pk_keys, "accuracy", f"passkey, {args.pk_keys} keys: "
-                                                               f"accuracy")]
+    panels = [("text", 0, "bits_per_byte", "long text: bits per byte"),
+              ("passkey", 1, "accuracy", "passkey, 1 key: accuracy")]
+    if args.pk_keys > 1:
+        panels.append(("passkey", args.pk_keys, "accuracy", f"passkey, {args.pk_keys} keys: "
+                                                            f"accuracy"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8))
+    panels = [(ax, *panel) for ax, panel in zip(axes, panels)]
     colors = dict(zip(args.designs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
     for ax, model, keys, key, title in panels:
         block = args.block_size if model == "text" else args.pk_block
@@ -554,7 +558,7 @@ def report(args, rows, shares, info):
     for stage in ["inference", "finetuned"] + [f"inference+{r}" for r in args.readings]:
         parts += [f"\n## Text, {stage}: bits per byte (mean ± 95% interval over seeds)\n",
                   grid(rows, names, "bits_per_byte", B, "{:.4f}", model="text", stage=stage)]
-        for k in (1, args.pk_keys):
+        for k in sorted({1, args.pk_keys}):
             parts += [f"\n## Passkey, {k} key(s), {stage}: mean accuracy over depths\n",
                       grid(rows, names, "accuracy", bp, "{:.2f}", model="passkey",
                            stage=stage, keys=k)]
