@@ -281,9 +281,8 @@ def main(argv):
                                                 cfg["text_field"])
         except OSError as e:
             raise UserError(f"cannot read {e.filename}: {e.strerror}") from None
-    model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"],
-                               cfg["rope_scaling"], cfg["rope_factor"],
-                               cfg["length_temperature"])
+    model, sp, ckpt = load_run(cfg["out_dir"], dev, cfg["dtype"], cfg["tokenizer"], *(
+        cfg[k] for k in ("rope_scaling", "rope_factor", "length_temperature")))  # overrides
     lengths = cfg["lengths"] or [model.config.context_window]
     band = check_lengths(model, cfg, lengths)
     eos = sp.eos_id()

@@ -209,9 +209,8 @@ def main(argv):
     cfg = parse_args(argv)
     device, cfg["dtype"] = pick_device(cfg["device"], cfg["dtype"])
     prompt_text = read_prompt(cfg["start"])
-    model, sp, ckpt = load_run(cfg["out_dir"], device, cfg["dtype"], cfg["tokenizer"],
-                               cfg["rope_scaling"], cfg["rope_factor"],
-                               cfg["length_temperature"])
+    model, sp, ckpt = load_run(cfg["out_dir"], device, cfg["dtype"], cfg["tokenizer"], *(
+        cfg[k] for k in ("rope_scaling", "rope_factor", "length_temperature")))  # overrides
     print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
     prompt_ids = encode_prompt(sp, prompt_text)
     compiled = compile_pays(cfg["compile"], device, cfg["max_new_tokens"]) and cfg["use_cache"]
