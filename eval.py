@@ -60,8 +60,7 @@ keys = 1                # --passkey: labelled keys in each prompt, the question 
 # -----------------------------------------------------------------------------------------
 CONFIG_KEYS = ("out_dir", "input", "split", "text_field", "stride", "batch_size", "device",
                "dtype", "tokenizer", "rope_scaling", "rope_factor", "length_temperature",
-               "json", "lengths",
-               "window_mode", "passkey", "depths", "samples", "seed", "keys")
+               "json", "lengths", "window_mode", "passkey", "depths", "samples", "seed", "keys")
 ANSWER = 7  # tokens --passkey decodes: " 12345" takes 6 at most, 1 more shows no digit follows
 
 

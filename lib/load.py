@@ -18,8 +18,8 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
              length_temperature=-1.0):
     """out_dir -> (model in eval mode on `device` in `dtype`, sentencepiece processor, the
     checkpoint dict). rope_scaling / rope_factor ("" / 0: keep the checkpoint's) and
-    length_temperature (-1: keep the checkpoint's) change positions past the trained context at inference,
-    which needs no retraining."""
+    length_temperature (-1: keep the checkpoint's) change positions past the trained context
+    at inference, which needs no retraining."""
     if not out_dir:
         raise UserError("out_dir is empty: pass the run's folder, --out_dir=DIR")
     if not os.path.isdir(out_dir):
@@ -38,8 +38,8 @@ def load_run(out_dir, device, dtype, tokenizer="", rope_scaling="", rope_factor=
         flags["length_temperature"] = float(length_temperature)
     if flags:  # the checkpoint's config is valid: a refusal is the flags'
         args = rescale(ckpt["model_args"], rope_scaling, rope_factor)
-        args["length_temperature"] = flags.get("length_temperature",
-                                               args.get("length_temperature", 0.0))
+        if "length_temperature" in flags:
+            args["length_temperature"] = flags["length_temperature"]
         try:
             config = RoFormerConfig(**args)
         except ValueError as e:
