@@ -263,7 +263,8 @@ def test_rope_scaling_widens_the_scoring_window(run, capsys, scaling):
 def test_length_temperature_at_inference_reaches_the_model(run, capsys):
     """--length_temperature=t scores with the checkpoint's weights in a model whose config has
     t (reference: that model built by hand, every target scored alone); past the trained
-    context it changes the score; -1 keeps the checkpoint's; a negative t is one line."""
+    context it changes the score (against the default, -1: the checkpoint's, here none); a
+    negative t is one line."""
     files = [run["root"] / "long.txt", run["root"] / "short.txt"]
     docs = [f.read_text(encoding="utf-8") for f in files]
     window = 2 * BLOCK  # past the trained context: where the temperature acts
