@@ -140,6 +140,16 @@ def parse_readings(spec):
     return out
 
 
+def reading_stages(args):
+    """The extra inference-only stages, one per --readings name."""
+    return [f"inference+{r}" for r in args.readings]
+
+
+def key_counts(args):
+    """The passkey grids: one key, and --pk_keys where it is more."""
+    return sorted({1, args.pk_keys})
+
+
 def resolve(value, block):
     """A design's value with `B/n` (or `B`) made the model's block (divided by n)."""
     if value == "B" or value.startswith("B/"):
@@ -342,7 +352,7 @@ def passkey_study(args, bar):
             "--seed=4242", f"--lengths={','.join(map(str, lengths_of(bp, [1, 2, 4, 8])))}"]
     rows, shares = design_rows(
         args, bar, "passkey", bp, base_cmd, (long, model[:1], PK_FT_LR),
-        {"_k1": grid + ["--keys=1"], f"_k{k}": grid + [f"--keys={k}"]})
+        {f"_k{n}": grid + [f"--keys={n}"] for n in key_counts(args)})
     keys = "1 unlabelled key" + (f" or 1-{k} labelled ones" if k > 1 else "")
     return rows, shares, dict(passkey_ft_documents=f"0-{words(4 * bp)} filler words, {keys}, "
                               f"up to {4 * bp} tokens")
@@ -410,9 +420,14 @@ def show(values, fmt="{:.4f}"):
     return fmt.format(mean) + ("" if half is None else " ± " + fmt.format(half))
 
 
+def lengths_in(rows, **match):
+    """The lengths read in the rows matching every key=value, in order."""
+    return sorted({r["length"] for r in rows if all(r.get(k) == v for k, v in match.items())})
+
+
 def grid(rows, designs, key, block, fmt, **match):
     """Markdown: a row per design, a column per length (a multiple of block)."""
-    lengths = sorted({r["length"] for r in rows if all(r.get(k) == v for k, v in match.items())})
+    lengths = lengths_in(rows, **match)
     out = ["| design | " + " | ".join(f"{n / block:g}x ({n})" for n in lengths) + " |",
            "|---|" + "---:|" * len(lengths)]
     for d in designs:
@@ -448,7 +463,7 @@ def inference_only(args, rows, d):
     the gain of its 4x window over the base's 1x on text (per seed) and its passkey at 4x."""
     B, best = args.block_size, None
     at1 = seed_means(rows, "bits_per_byte", model="text", stage="inference", design=d, length=B)
-    for stage in ["inference"] + [f"inference+{r}" for r in args.readings]:
+    for stage in ["inference"] + reading_stages(args):
         at4 = seed_means(rows, "bits_per_byte", model="text", stage=stage, design=d, length=4 * B)
         gain = [at1[s] - at4[s] for s in at1 if s in at4]
         pk = list(seed_means(rows, "accuracy", model="passkey", stage=stage, design=d,
@@ -502,8 +517,8 @@ def runs_record(out):
 
 
 def plot(args, rows, path):
-    """Three panels against the window length (mean over seeds; dashed: inference only, solid:
-    fine-tuned at 4x): bits per byte on long text, passkey accuracy with 1 key and with K."""
+    """Panels against the window length (mean over seeds; dashed: inference only, solid:
+    fine-tuned at 4x): bits per byte on long text, passkey accuracy with 1 key (and with K)."""
     plt = pyplot()
     if plt is None or not rows:
         return None
@@ -521,8 +536,7 @@ def plot(args, rows, path):
             for stage, ls in (("inference", "--"), ("finetuned", "-")):
                 match = dict(model=model, design=d, stage=stage) | (
                     dict(keys=keys) if keys else {})
-                pts = sorted({r["length"] for r in rows if all(r.get(k) == v for k, v in
-                                                              match.items())})
+                pts = lengths_in(rows, **match)
                 ys = [np.mean(list(seed_means(rows, key, length=n, **match).values()))
                       for n in pts]
                 if pts:
@@ -555,10 +569,10 @@ def report(args, rows, shares, info):
               "\n| run | fine-tune tokens | pretraining tokens | share |", "|---|---:|---:|---:|"]
     parts += [f"| {s['run']} | {s['ft_tokens']:,} | {s['base_tokens']:,} | {s['share']:.1%} |"
               for s in shares]
-    for stage in ["inference", "finetuned"] + [f"inference+{r}" for r in args.readings]:
+    for stage in ["inference", "finetuned"] + reading_stages(args):
         parts += [f"\n## Text, {stage}: bits per byte (mean ± 95% interval over seeds)\n",
                   grid(rows, names, "bits_per_byte", B, "{:.4f}", model="text", stage=stage)]
-        for k in sorted({1, args.pk_keys}):
+        for k in key_counts(args):
             parts += [f"\n## Passkey, {k} key(s), {stage}: mean accuracy over depths\n",
                       grid(rows, names, "accuracy", bp, "{:.2f}", model="passkey",
                            stage=stage, keys=k)]
@@ -587,7 +601,7 @@ def main(argv):
     args = parse_args(argv)
     bind_designs(args.out, args.designs)
     t0, n = time.time(), args.seeds * len(args.designs)
-    r, grids = len(args.readings), 1 + (args.pk_keys > 1)  # passkey: one grid or two a run
+    r, grids = len(args.readings), len(key_counts(args))  # passkey: grids a reading
     steps = {"text": (4 + r) * n, "passkey": (2 + (2 + r) * grids) * n, "compare": 1}
     total = sum(steps[s] for s in args.stages if s in steps)
     bar = tqdm(total=total, unit="step", desc="designs", dynamic_ncols=True, disable=not total)
