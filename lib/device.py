@@ -100,6 +100,8 @@ def pick_device(device="auto", dtype="auto", training=False):
                         f"cuda:{n - 1})")
     if dev.type == "mps" and not mps:
         raise UserError(f"device={device!r} but MPS (Apple's GPU backend) is not available")
+    if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device needs an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     if dtype == "auto":  # CUDA: bf16 where native, else fp16
         dtype = (cuda_autocast_dtype() if dev.type == "cuda"
                  else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16()
