@@ -125,10 +125,11 @@ CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor", "rope_original", "d
 
 def continue_from(source, config, model_keys, tokenizer, out_dir, given, master):
     """(RUN's checkpoint, the new run's model args) after the checks a refused start must make
-    before out_dir is touched: RUN's tokenizer (sha256), every model-shape key equal to RUN's,
-    another out_dir. RUN's context extension is kept unless this command sets it (`given`: the
-    keys its flags and config files set), and its original context always (a second extension
-    must not compound); rank 0 says what the continuation uses."""
+    before out_dir is touched: RUN's tokenizer (sha256), every model-shape key this command
+    sets equal to RUN's (one it leaves is RUN's), another out_dir. RUN's context extension is
+    kept unless this command sets it (`given`: the keys its flags and config files set), and
+    its original context always (a second extension must not compound); rank 0 says what the
+    continuation uses."""
     path = os.path.join(source, "ckpt.pt") if os.path.isdir(source) else source
     if not os.path.isfile(path):
         raise UserError(f"init_from={source}: no such checkpoint file or run folder with ckpt.pt")
@@ -143,7 +144,11 @@ def continue_from(source, config, model_keys, tokenizer, out_dir, given, master)
                         f"{tokenizer['path']}: prepare this corpus with --tokenizer={source}")
     args = context_args({k: config[k] for k in model_keys}, theirs, given)
     for k in model_keys:
-        if k not in CONTEXT_KEYS and args[k] != theirs.get(k, args[k]):
+        if k in CONTEXT_KEYS or k not in theirs:
+            continue
+        if k not in given:  # not set by this command: RUN's (a rope_base of 10 stays 10)
+            args[k] = theirs[k]
+        elif args[k] != theirs[k]:
             raise UserError(f"{k}={args[k]!r} but init_from={source} has {k}={theirs[k]!r}: the "
                             f"model's shape must be RUN's (pass its config, or --{k}={theirs[k]})")
     if args["pos_encoding"] == "learned" and args["block_size"] != theirs["block_size"]:

@@ -7,6 +7,14 @@ import sys
 
 import pytest
 
+# The suite checks the CPU paths against CPU references (float32 where it compares numbers).
+# On a machine with a GPU, device=auto would pick it (and bf16) in the scripts the tests run,
+# and two-rank tests would ask for a second GPU, so CUDA is hidden from the tests and their
+# subprocesses, before torch is imported. ROFORMER_TEST_CUDA=1 keeps it, for the tests that
+# need a GPU (tests/test_train.py's pinned batches: bench/cuda_check.sh runs them).
+if os.environ.get("ROFORMER_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # the tiny model every contract check builds; --model overrides any of these. 4 layers: an

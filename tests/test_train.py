@@ -1181,6 +1181,23 @@ def test_init_from_may_change_the_position_designs_and_keeps_runs_where_not_set(
     assert load(again)["model_args"] == dict(ck["model_args"], window=4)
 
 
+def test_init_from_keeps_runs_shape_keys_this_command_does_not_set(data, tmp_path):
+    """A key of the model's shape that the continuation leaves unset is RUN's, not train.py's
+    default: a p-RoPE run (rope_base 10) fine-tuned from config/small.py without --rope_base
+    used to be refused (rope_base 10000 is not RUN's); set to another value, it still is."""
+    run, tuned = str(tmp_path / "run"), str(tmp_path / "tuned")
+    train(f"--data_dir={data}", f"--out_dir={run}", *TINY, "--rope_base=10",
+          "--rotary_fraction=0.25", "--max_iters=2")
+    train(f"--data_dir={data}", f"--out_dir={tuned}", *TINY, f"--init_from={run}",
+          "--block_size=64", "--max_iters=0")
+    assert load(tuned)["model_args"] == dict(load(run)["model_args"], block_size=64,
+                                             rope_original=32)
+    r = train_here(f"--data_dir={data}", *TINY, f"--out_dir={tmp_path / 'no'}",
+                   f"--init_from={run}", "--rope_base=500", "--max_iters=0")
+    assert r.returncode == 1 and "rope_base=500.0 but init_from" in r.stderr.strip(), r.stderr
+    assert not os.path.exists(tmp_path / "no")
+
+
 def test_init_from_refusals_are_one_line_and_leave_no_out_dir(data, base_run, tmp_path):
     """Everything init_from=RUN refuses is refused before out_dir exists: a shape key that is
     not RUN's (named), another tokenizer, RUN's own out_dir, a path with no checkpoint, learned
