@@ -101,7 +101,10 @@ def pick_device(device="auto", dtype="auto", training=False):
     if dev.type == "mps" and not mps:
         raise UserError(f"device={device!r} but MPS (Apple's GPU backend) is not available")
     if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device needs an index
-        dev = torch.device("cuda", torch.cuda.current_device())
+        # the current device; asking for it would create a CUDA context on GPU 0 in every
+        # torchrun rank, so before CUDA is initialised it is 0
+        dev = torch.device("cuda", torch.cuda.current_device()
+                           if torch.cuda.is_initialized() else 0)
     if dtype == "auto":  # CUDA: bf16 where native, else fp16
         dtype = (cuda_autocast_dtype() if dev.type == "cuda"
                  else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16()

@@ -293,15 +293,18 @@ def test_cuda_without_an_index_resolves_to_the_current_device(monkeypatch):
     """device=cuda (and auto on a GPU machine) is the current CUDA device with its index:
     train.py calls torch.cuda.set_device(dev), which refuses a bare 'cuda' (a one-GPU run
     stopped there before this; seen on an H200). Checked without a GPU, torch's CUDA queries
-    stubbed: two devices, the current one is 1."""
+    stubbed: two devices; once CUDA is initialised the current one is 1, before it 0 (asking
+    for the current device would initialise CUDA, a context on GPU 0 in every torchrun rank)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    for device in ("cuda", "auto"):
-        for training in (True, False):
-            dev, _ = lib.device.pick_device(device, "float32", training)
-            assert dev == torch.device("cuda", 1)
-    assert lib.device.pick_device("cuda:0", "float32")[0] == torch.device("cuda", 0)
+    for initialised, index in ((True, 1), (False, 0)):
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
+        for device in ("cuda", "auto"):
+            for training in (True, False):
+                dev, _ = lib.device.pick_device(device, "float32", training)
+                assert dev == torch.device("cuda", index)
+    assert lib.device.pick_device("cuda:1", "float32")[0] == torch.device("cuda", 1)
 
 
 @pytest.mark.parametrize("device", ["meta", "xpu", "mps", "cuda", "CUDA_PAST_THE_LAST"])
