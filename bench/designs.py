@@ -50,6 +50,7 @@ FT_LR = ["--learning_rate=2e-4", "--muon_lr=0.004", "--min_lr=2e-5"]  # warmup: 
 # model that recalls nothing at 1x learns nothing more in its fine-tune: docs/CONTEXT.md)
 PK_FT_LR = ["--learning_rate=6e-4", "--muon_lr=0.01", "--min_lr=6e-5"]
 GAIN, PASSKEY = 0.02, 0.90  # the targets: bits per byte gained at 4x over 1x; passkey at 4x
+SEEDS_TO_MEET = 2  # a target counts as met on this many seeds at least (one run is not a result)
 
 
 def parse_args(argv):
@@ -440,7 +441,8 @@ def grid(rows, designs, key, block, fmt, **match):
 def targets(args, rows):
     """Per design: the gain of its fine-tuned 4x window over its own 1x window on text (per
     seed), its passkey accuracy at 4x after the fine-tune (one key and K), its 1x Δ against
-    the reference (bench/compare.py), and which targets it meets."""
+    the reference (bench/compare.py), and which targets it meets (by its mean over at least
+    SEEDS_TO_MEET seeds)."""
     B, bp, noise, out = args.block_size, args.pk_block, within_noise(args), {}
     for d in args.designs:
         at1 = seed_means(rows, "bits_per_byte", model="text", stage="inference", design=d,
@@ -451,8 +453,8 @@ def targets(args, rows):
         pk = {k: list(seed_means(rows, "accuracy", model="passkey", stage="finetuned", design=d,
                                  length=4 * bp, keys=k).values()) for k in (1, args.pk_keys)}
         cmp = noise.get(d) if d != next(iter(args.designs)) else (0.0, None, True)
-        met = [bool(gain) and interval(gain)[0] >= GAIN,
-               bool(pk[1]) and interval(pk[1])[0] >= PASSKEY, bool(cmp) and cmp[2]]
+        met = [len(gain) >= SEEDS_TO_MEET and interval(gain)[0] >= GAIN,
+               len(pk[1]) >= SEEDS_TO_MEET and interval(pk[1])[0] >= PASSKEY, bool(cmp) and cmp[2]]
         out[d] = dict(gain=gain, passkey_4x=pk[1], multikey_4x=pk[args.pk_keys],
                       vs_reference_1x=cmp, met=met, inference_only=inference_only(args, rows, d))
     return out

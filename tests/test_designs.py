@@ -124,3 +124,23 @@ def test_within_noise_reads_compare_results(tmp_path):
                    arm("nope_every=2", 0.014, [0.01, 0.02])], f)
     got = designs.within_noise(args)
     assert got == {"a": (0.012, 0.013, True), "b": (0.014, 0.013, False)}
+
+
+def test_a_target_is_met_on_two_seeds_not_one(tmp_path):
+    """A passkey of 1.00 at 4x and a text gain of 0.05 on one seed meet nothing; the same on
+    two seeds meet both (the 1x condition needs the compare stage, not run here)."""
+    args = designs.parse_args([f"--out={tmp_path}", "--designs=r:", "--block_size=16",
+                               "--pk_block=8"])
+
+    def rows(seeds):
+        out = []
+        for s in seeds:
+            out += [dict(model="text", stage="inference", design="r", length=16, seed=s,
+                         keys=0, bits_per_byte=2.0),
+                    dict(model="text", stage="finetuned", design="r", length=64, seed=s,
+                         keys=0, bits_per_byte=1.95),
+                    dict(model="passkey", stage="finetuned", design="r", length=32, seed=s,
+                         keys=1, accuracy=1.0)]
+        return out
+    assert designs.targets(args, rows([1337]))["r"]["met"][:2] == [False, False]
+    assert designs.targets(args, rows([1337, 1338]))["r"]["met"][:2] == [True, True]
