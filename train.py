@@ -35,7 +35,7 @@ from lib import common, mfu, optim, run, saving
 from lib.build import build_model
 from lib.common import UserError
 from lib.config import check_seed, configure
-from lib.device import pick_device
+from lib.device import pick_device, placed
 from lib.progress import Progress, stop_on_signals
 from model import RoFormerConfig
 
@@ -140,8 +140,8 @@ dev, dtype = pick_device(device, dtype, training=True)
 if fsdp and dtype == "float16":
     raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
 dtype = optim.training_dtype(optimizer, dtype, config["dtype"])
-if ddp:  # one GPU per process: cuda:LOCAL_RANK
-    dev = parallel.init_process_group(dev, rank, local_rank, world)
+# one GPU per process, named (cuda:LOCAL_RANK under torchrun, else a bare cuda is cuda:0)
+dev = parallel.init_process_group(dev, rank, local_rank, world) if ddp else placed(dev)
 device, device_type = str(dev), dev.type
 if device_type == "cuda":
     torch.cuda.set_device(dev)

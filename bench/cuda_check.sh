@@ -1,12 +1,12 @@
 #!/bin/bash
 # The CUDA paths, on a machine with a GPU (CI has none; the test suite hides CUDA and checks the
 # CPU paths): the README's default run eager and compiled, torchrun over NCCL (DDP, FSDP2 and
-# its resume) at one rank per GPU, sample.py with the cache (eager, and the compiled static
-# step), eval.py and export.py on a CUDA-trained run, and the tests that need a GPU. One line a
-# step (ok, or FAILED with its log); every log under $LOGS. What it printed on an H200 is in
-# docs/SPEED.md ("On a GPU").
+# its resume) at one rank per GPU of the machine, sample.py with the cache (eager, and the
+# compiled static step), eval.py and export.py on a CUDA-trained run, and the tests that need
+# a GPU. One line a step (ok, or FAILED with its log); every log under $LOGS. What its steps
+# printed on an H200 is in docs/SPEED.md ("On a GPU").
 #
-#     bash bench/cuda_check.sh                  # ~3 minutes on an idle H200, compile included
+#     bash bench/cuda_check.sh                  # minutes on one GPU (not yet timed as one command)
 #     LOGS=/tmp/mine bash bench/cuda_check.sh
 set -u
 cd "$(dirname "$0")/.."
@@ -29,15 +29,16 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
 
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', \
 torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
+NPROC=$($PY -c "import torch; print(torch.cuda.device_count())")  # torchrun: a rank per GPU
 step default 300 $PY train.py config/small.py --out_dir="$RUNS/default"
 step compiled 600 $PY train.py config/small.py --out_dir="$RUNS/compiled" --compile=True
-step ddp 300 torchrun --standalone --nproc_per_node=1 train.py config/small.py \
-    --max_iters=40 --out_dir="$RUNS/ddp"
-step fsdp 300 torchrun --standalone --nproc_per_node=1 train.py config/small.py --fsdp=True \
-    --optimizer=adamw --max_iters=20 --lr_decay_iters=40 --out_dir="$RUNS/fsdp"
-step fsdp_resume 300 torchrun --standalone --nproc_per_node=1 train.py config/small.py \
-    --fsdp=True --optimizer=adamw --max_iters=40 --lr_decay_iters=40 --out_dir="$RUNS/fsdp" \
-    --init_from=resume
+TR="torchrun --standalone --nproc_per_node=$NPROC train.py config/small.py \
+    --gradient_accumulation_steps=$NPROC"
+step ddp 300 $TR --max_iters=40 --out_dir="$RUNS/ddp"
+step fsdp 300 $TR --fsdp=True --optimizer=adamw --max_iters=20 --lr_decay_iters=40 \
+    --out_dir="$RUNS/fsdp"
+step fsdp_resume 300 $TR --fsdp=True --optimizer=adamw --max_iters=40 --lr_decay_iters=40 \
+    --out_dir="$RUNS/fsdp" --init_from=resume
 step sample 120 $PY sample.py --out_dir="$RUNS/default" --max_new_tokens=200 --compile=False
 step sample_compiled 300 $PY sample.py --out_dir="$RUNS/default" --max_new_tokens=200 \
     --compile=True

@@ -78,6 +78,15 @@ def device_memory(dev):
         return None
 
 
+def placed(dev, local_rank=0):
+    """The device this process trains on: `dev` where it names a GPU (cuda:1) or is no GPU,
+    else cuda:LOCAL_RANK (torchrun's one GPU per process; cuda:0 for one process), since
+    torch.cuda.set_device refuses a bare cuda. pick_device leaves the index to this, so that
+    every rank picks its own."""
+    import torch
+    return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
+
+
 def pick_device(device="auto", dtype="auto", training=False):
     """Resolve 'auto' and check the names before anything loads; returns (torch.device, dtype
     name). Training also takes MPS, and bf16 autocast on a CPU that multiplies bf16 natively
@@ -100,11 +109,6 @@ def pick_device(device="auto", dtype="auto", training=False):
                         f"cuda:{n - 1})")
     if dev.type == "mps" and not mps:
         raise UserError(f"device={device!r} but MPS (Apple's GPU backend) is not available")
-    if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device needs an index
-        # the current device; asking for it would create a CUDA context on GPU 0 in every
-        # torchrun rank, so before CUDA is initialised it is 0
-        dev = torch.device("cuda", torch.cuda.current_device()
-                           if torch.cuda.is_initialized() else 0)
     if dtype == "auto":  # CUDA: bf16 where native, else fp16
         dtype = (cuda_autocast_dtype() if dev.type == "cuda"
                  else "bfloat16" if training and dev.type == "cpu" and cpu_has_bf16()

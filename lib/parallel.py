@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lib.saving import commit
 from lib.common import UserError, excepthook
+from lib.device import placed
 from lib.files import fsync
 
 
@@ -51,8 +52,8 @@ def init_process_group(dev, rank, local_rank, world):
     hand to prefix the store's keys with the restart count: after a `torchrun --max-restarts`
     restart, the agent's store still holds the dead workers' addresses, and gloo would
     sometimes connect to them (refused, or hung) instead of the new ones."""
+    dev = placed(dev, local_rank)
     if dev.type == "cuda":
-        dev = torch.device("cuda", local_rank) if dev.index is None else dev
         torch.cuda.set_device(dev)
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)

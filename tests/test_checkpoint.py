@@ -289,22 +289,22 @@ def test_pick_device_rules_for_training_and_decoding(monkeypatch):
         lib.device.pick_device("gpu0")
 
 
-def test_cuda_without_an_index_resolves_to_the_current_device(monkeypatch):
-    """device=cuda (and auto on a GPU machine) is the current CUDA device with its index:
-    train.py calls torch.cuda.set_device(dev), which refuses a bare 'cuda' (a one-GPU run
-    stopped there before this; seen on an H200). Checked without a GPU, torch's CUDA queries
-    stubbed: two devices; once CUDA is initialised the current one is 1, before it 0 (asking
-    for the current device would initialise CUDA, a context on GPU 0 in every torchrun rank)."""
+def test_a_bare_cuda_is_placed_on_the_process_gpu(monkeypatch):
+    """device=cuda (and auto on a GPU machine) stays a bare cuda in pick_device, so that each
+    torchrun rank takes cuda:LOCAL_RANK (lib/parallel.py); one process takes cuda:0. train.py
+    calls torch.cuda.set_device, which refuses a bare cuda: a one-GPU run stopped there before
+    `placed` (seen on an H200). Checked without a GPU, torch's CUDA queries stubbed."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    for initialised, index in ((True, 1), (False, 0)):
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialised)
-        for device in ("cuda", "auto"):
-            for training in (True, False):
-                dev, _ = lib.device.pick_device(device, "float32", training)
-                assert dev == torch.device("cuda", index)
-    assert lib.device.pick_device("cuda:1", "float32")[0] == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for device in ("cuda", "auto"):
+        for training in (True, False):
+            dev, _ = lib.device.pick_device(device, "float32", training)
+            assert dev == torch.device("cuda") and dev.index is None
+            assert lib.device.placed(dev) == torch.device("cuda", 0)
+            assert lib.device.placed(dev, 5) == torch.device("cuda", 5)
+    named, _ = lib.device.pick_device("cuda:3", "float32")
+    assert lib.device.placed(named, 5) == torch.device("cuda", 3)  # as the user named it
+    assert lib.device.placed(torch.device("cpu"), 5) == torch.device("cpu")
 
 
 @pytest.mark.parametrize("device", ["meta", "xpu", "mps", "cuda", "CUDA_PAST_THE_LAST"])
