@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from caches import KVCache, RecurrentState  # the decoding caches that new_cache makes
 from model_checks import RELATIVE, check_config, tied_head_check  # the config's rules
 
 
@@ -329,12 +328,6 @@ class RoFormer(nn.Module):
         base = c.local_rope_base or c.rope_base
         return base if c.window and (base != c.rope_base or c.rope_factor != 1) else None
 
-    def pos_tables(self, n, device):  # positions 0..n-1 (the tests, bench/decode.py)
-        self.hold_positions(0, n, device)
-
-    def slide_tables(self, p):  # position p, for lib/decode.py's one-token step
-        self.hold_positions(p, 1)
-
     def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
         if self.config.pos_encoding != "rope":  # RoPE adds nothing (and loads no baseline)
             return baselines().position_embedding(self, pos, index)
@@ -344,6 +337,7 @@ class RoFormer(nn.Module):
 
     def new_cache(self, total_len, device, window=None):  # for lib/decode.py, which passes it
         """to forward; window: how far back a query sees (None: the context window)."""
+        from caches import KVCache, RecurrentState  # loaded only where a model decodes
         c, w = self.config, window or self.config.context_window
         local = {i: b.attn.window for i, b in enumerate(self.blocks) if b.attn.window}
         return (RecurrentState(c.n_layer) if c.attention == "linear" else
@@ -352,7 +346,7 @@ class RoFormer(nn.Module):
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) at positions start_pos.. -> logits (B, T, V), and the mean cross-entropy of
         targets (-1: ignore). start_pos: an int, or a (1,) tensor as in the static compiled step
-        (one graph for every position), whose table rows must be held (slide_tables)."""
+        (one graph for every position), whose table rows must be held (hold_positions)."""
         c, T = self.config, idx.size(1)
         if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables hold it
             self.hold_positions(start_pos, T, idx.device)

@@ -361,7 +361,7 @@ def spaced_windows(val, n, length):
 def token_losses(model, x, cached=False):
     """Per-token next-token loss of x (B, T+1): (B, T). cached=True runs the same tokens as
     one chunked prefill against a decoding cache: for softmax attention past block_size
-    this is sliding-window attention (see model.KVCache), for linear attention the
+    this is sliding-window attention (see caches.KVCache), for linear attention the
     recurrent state."""
     inp, tgt = x[:, :-1], x[:, 1:]
     if cached:

@@ -8,7 +8,7 @@ context window, and sampling.
 """
 import torch
 
-from model import RecurrentState
+from caches import RecurrentState
 
 
 def check_sampling(temperature=1.0, top_k=None, top_p=None, vocab_limit=None):
@@ -110,7 +110,7 @@ def cached_tokens(model, idx, max_new_tokens, sampling, generator, compile):
         if i + 1 < max_new_tokens:
             # the step reads table rows by position: their memory must not grow with
             # max_new_tokens (the cache rolls, the positions do not), so the rows slide along
-            model.slide_tables(idx.size(1) + i)
+            model.hold_positions(idx.size(1) + i, 1)
             logits = step(token, pos)
             pos += 1
 

@@ -88,7 +88,7 @@ def cached_logits(model, idx, split):
     cache = model.new_cache(total, idx.device)
     out = [decoding.prefill(model, idx[:, :split], cache,
                             min(total, model.config.context_window))]
-    model.pos_tables(total, idx.device)
+    model.hold_positions(0, total, idx.device)
     step = decoding.one_token_step(model, cache, False, idx.device)
     pos = torch.full((1,), split, dtype=torch.long, device=idx.device)
     for t in range(split, total):

@@ -403,7 +403,7 @@ def test_cache_update_is_one_call_per_layer_returning_what_it_attends_to():
     the keys and values each query sees, identified by the positions it returns: exactly the
     last `window` positions up to the query's own (naive reference), and each layer's slots
     are its own (layer 1 updated only every other chunk)."""
-    from model import KVCache
+    from caches import KVCache
     size = window = 6
     cache, p, fed = KVCache(2, size, window, "cpu"), 0, []  # fed: the positions layer 1 got
     for i, n in enumerate([4, 1, 1, 5, 1, 9, 2]):
