@@ -20,7 +20,7 @@ import torch
 from lib import decode
 from lib.common import UserError, cli
 from lib.config import check_seed, configure
-from lib.device import pick_device
+from lib.device import device_memory, pick_device
 from lib.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------
@@ -144,6 +144,25 @@ def encode_prompt(sp, prompt_text):
     return ids
 
 
+def check_memory(model, n_prompt, cfg, device):
+    """Refuse, before the batch is built, --num_samples that cannot decode in this device's
+    memory: the samples are one batch, so the cache (keys and values of every layer over the
+    window; none without use_cache) and the prefill's logits and scores grow with it. Only the
+    clearly impossible is refused (as train.py's own check)."""
+    c, memory = model.config, device_memory(device)
+    n = min(n_prompt + cfg["max_new_tokens"], c.context_window if cfg["use_cache"] else
+            c.block_size)  # the positions one forward holds: the cache, or the cropped window
+    chunk, size = min(n_prompt, n), next(model.parameters()).element_size()
+    per_sample = size * (2 * c.n_layer * n * c.n_embd * cfg["use_cache"] +
+                         chunk * (c.vocab_size + 8 * c.n_embd))
+    per_sample += 4 * c.n_head * chunk * n * (c.attention == "softmax")
+    if memory is not None and cfg["num_samples"] * per_sample > memory:
+        raise UserError(f"--num_samples={cfg['num_samples']} needs about "
+                        f"{cfg['num_samples'] * per_sample / 2 ** 30:,.1f} GiB to decode as one "
+                        f"batch, more than the {memory / 2 ** 30:,.1f} GiB here: ask for fewer "
+                        f"samples (or a shorter prompt and max_new_tokens)")
+
+
 def stream_samples(model, sp, prompt_ids, cfg, device, compiled):
     """Generate cfg["num_samples"] samples as one batch; the first is printed as it comes.
     Returns (the samples' TextStreams, decode steps run, time of the first token, end time)."""
@@ -213,6 +232,7 @@ def main(argv):
         cfg[k] for k in ("rope_scaling", "rope_factor", "length_temperature")))  # overrides
     print(describe(cfg["out_dir"], ckpt, model), file=sys.stderr)
     prompt_ids = encode_prompt(sp, prompt_text)
+    check_memory(model, len(prompt_ids), cfg, device)
     compiled = compile_pays(cfg["compile"], device, cfg["max_new_tokens"]) and cfg["use_cache"]
     t0 = time.perf_counter()
     streams, steps, t_first, t_end = stream_samples(model, sp, prompt_ids, cfg, device, compiled)

@@ -51,8 +51,9 @@ def parse_value(key, text, default):
     except (ValueError, SyntaxError):
         if default is None:
             return text
-        raise UserError(f"config key '{key}': cannot read {text!r} as a "
-                        f"{type(default).__name__}") from None
+        kind = type(default).__name__  # int, float or bool
+        raise UserError(f"config key '{key}': cannot read {text!r} as "
+                        f"{'an' if kind == 'int' else 'a'} {kind}") from None
 
 
 def run_config_file(path):

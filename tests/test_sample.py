@@ -397,6 +397,7 @@ def test_argument_errors(ws, capsys, tmp_path):
     assert "prompt file" in err(capsys, o, f"--start=FILE:{tmp_path / 'missing.txt'}")
     assert "rope_scaling" in err(capsys, o, "--rope_scaling=dynamic")
     assert "compile must be" in err(capsys, o, "--compile=yes")
+    assert "cannot read '10**3' as an int" in err(capsys, o, "--num_samples=10**3")
     for seed in (-1, 2 ** 64):  # torch.Generator.manual_seed takes [0, 2**64 - 1]
         assert "seed must be from 0 to 2**64 - 1" in err(capsys, o, f"--seed={seed}")
     assert "use_cache" in err(capsys, o, "--compile=True", "--use_cache=False")
@@ -429,6 +430,24 @@ def test_learned_positions_past_block_size_is_an_error_with_cache(ws, capsys, tm
     assert "learned positions" in err(capsys, o, f"--max_new_tokens={2 * BLOCK}")
     assert "rope_scaling applies to RoPE" in err(capsys, o, "--rope_scaling=ntk")
     assert run(capsys, o, f"--max_new_tokens={2 * BLOCK}", "--use_cache=False").out
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_it_is_built(ws, capsys, monkeypatch):
+    """--num_samples is one batch: one whose cache alone (float32 keys and values of every
+    layer at every position it decodes, counted here from the checkpoint's shape) is past the
+    device's memory is one line naming the flag, before a tensor of its size exists (a batch of
+    10^12 prompts would itself need terabytes); the same batch runs where memory allows it."""
+    args = torch.load(os.path.join(ws["softmax"], "ckpt.pt"), weights_only=True)["model_args"]
+    samples, new = 4, 8
+    positions = 1 + new  # the prompt "\n" is one token
+    cache = 2 * args["n_layer"] * samples * positions * args["n_embd"] * 4
+    flags = ["--out_dir=" + ws["softmax"], "--start=\n", f"--max_new_tokens={new}"]
+    monkeypatch.setattr(sample, "device_memory", lambda dev: cache // 2)
+    assert "--num_samples=4 needs about" in err(capsys, *flags, f"--num_samples={samples}")
+    monkeypatch.setattr(sample, "device_memory", lambda dev: 100 * cache)
+    assert run(capsys, *flags, f"--num_samples={samples}").out.count("---------------") == 3
+    monkeypatch.undo()
+    assert "--num_samples=1000000000000 needs" in err(capsys, *flags, "--num_samples=1000000000000")
 
 
 def test_tokenizer_missing_or_mismatched(ws, capsys, tmp_path):
