@@ -57,8 +57,10 @@ def init_process_group(dev, rank, local_rank, world):
         torch.cuda.set_device(dev)
     store, _, _ = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-    dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", store=store,
-                            rank=rank, world_size=world)
+    # device_id: NCCL binds the group to this GPU (a barrier need not guess which, and warn)
+    cuda = dev.type == "cuda"
+    dist.init_process_group(backend="nccl" if cuda else "gloo", store=store, rank=rank,
+                            world_size=world, device_id=dev if cuda else None)
     # torch's hook now prefixes every stderr line with [rankN]: a user error stays its one line
     torch_hook = sys.excepthook
     sys.excepthook = lambda kind, value, tb: (

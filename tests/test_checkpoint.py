@@ -307,6 +307,24 @@ def test_a_bare_cuda_is_placed_on_the_process_gpu(monkeypatch):
     assert lib.device.placed(torch.device("cpu"), 5) == torch.device("cpu")
 
 
+def test_the_process_group_is_bound_to_the_process_gpu(monkeypatch):
+    """Under torchrun on GPUs each rank joins NCCL bound to its own cuda:LOCAL_RANK (device_id:
+    a barrier then needs no guess, and NCCL warned at every one); CPUs join gloo unbound.
+    Checked without a GPU: the CUDA calls and the group's creation are stubbed, the rendezvous
+    is a real in-memory store."""
+    import torch.distributed as dist
+    from lib import parallel
+    joined = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda url: iter([(dist.HashStore(), 0, 1)]))
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # init_process_group replaces it
+    assert parallel.init_process_group(torch.device("cuda"), 2, 1, 4) == torch.device("cuda", 1)
+    assert parallel.init_process_group(torch.device("cpu"), 2, 1, 4) == torch.device("cpu")
+    assert [(kw["backend"], kw["device_id"], kw["rank"], kw["world_size"]) for kw in joined] == [
+        ("nccl", torch.device("cuda", 1), 2, 4), ("gloo", None, 2, 4)]
+
+
 @pytest.mark.parametrize("device", ["meta", "xpu", "mps", "cuda", "CUDA_PAST_THE_LAST"])
 def test_a_device_that_is_not_here_is_one_line(device):
     """--device=mps or meta used to be taken on a machine without it and failed later with a
