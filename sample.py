@@ -152,7 +152,9 @@ def check_memory(model, n_prompt, cfg, device):
     c, memory = model.config, device_memory(device)
     n = min(n_prompt + cfg["max_new_tokens"], c.context_window if cfg["use_cache"] else
             c.block_size)  # the positions one forward holds: the cache, or the cropped window
-    chunk, size = min(n_prompt, n), next(model.parameters()).element_size()
+    # the widest forward: the prefill with the cache, every step of the uncached loop
+    chunk = min(n_prompt, n) if cfg["use_cache"] else n
+    size = next(model.parameters()).element_size()
     per_sample = size * (2 * c.n_layer * n * c.n_embd * cfg["use_cache"] +
                          chunk * (c.vocab_size + 8 * c.n_embd))
     per_sample += 4 * c.n_head * chunk * n * (c.attention == "softmax")
