@@ -158,9 +158,10 @@ def check_memory(model, n_prompt, cfg, device):
     per_sample = size * (2 * c.n_layer * n * c.n_embd * cfg["use_cache"] +
                          chunk * (c.vocab_size + 8 * c.n_embd))
     per_sample += 4 * c.n_head * chunk * n * (c.attention == "softmax")
-    if memory is not None and cfg["num_samples"] * per_sample > memory:
+    need = cfg["num_samples"] * per_sample
+    if memory is not None and need > memory:
         raise UserError(f"--num_samples={cfg['num_samples']} needs about "
-                        f"{cfg['num_samples'] * per_sample / 2 ** 30:,.1f} GiB to decode as one "
+                        f"{need / 2 ** 30:,.1f} GiB to decode as one "
                         f"batch, more than the {memory / 2 ** 30:,.1f} GiB here: ask for fewer "
                         f"samples (or a shorter prompt and max_new_tokens)")
 
