@@ -35,7 +35,7 @@ from lib import common, mfu, optim, run, saving
 from lib.build import build_model
 from lib.common import UserError
 from lib.config import check_seed, configure
-from lib.device import pick_device, placed
+from lib.device import pick_device, pick_threads, placed
 from lib.progress import Progress, stop_on_signals
 from model import RoFormerConfig
 
@@ -157,13 +157,14 @@ if compile and device_type == "cpu" and not run.cxx_compiler_found():
               "none: running eager (pass --compile=False to skip this check)", flush=True)
     compile = False
 config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded in the checkpoint
+threads, threads_note = pick_threads(device_type)  # fewer on a busy CPU (lib/device.py: why)
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
 ddir, meta = open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
-run_id, restarts = run.run_identity()
+run_id, restarts = run.run_identity()  # a resumed run keeps its checkpoint's id (below)
 if init_from != "scratch" or restarts:  # starting from a checkpoint: lib/resume.py
     from lib import resume
 source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
@@ -183,6 +184,7 @@ resumed = ckpt is not None
 if resumed:
     model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
     resume.check(ckpt, config, tokenizer, LOOP_KEYS, master)
+    run_id = ckpt.get("run_id") or run_id  # the same run, continued: one id
     if ckpt["iter_num"] >= max_iters:  # said, and nothing written: the checkpoint stays as it is
         if master:
             print(f"note: the checkpoint is at iteration {ckpt['iter_num']}, max_iters="
@@ -244,8 +246,8 @@ if resumed:
     tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
     wandb_id = ckpt.get("wandb_id")  # kept even by a run without wandb, for a later one
     if master:
-        print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens, "
-              f"run {str(ckpt.get('run_id'))[:8]}", flush=True)
+        print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens",
+              flush=True)
     del ckpt
 elif source is not None:  # weights only: a fresh optimizer and schedule, iteration 0
     resume.load_weights(raw_model, source["model"], config["init_from"])
@@ -289,6 +291,7 @@ def evaluate():
         return
     losses = {}
     eval_model.eval()
+    batches = progress.batches(f"evaluating iteration {iter_num}", 2 * eval_iters)
     for i, split in enumerate(("train", "val")):
         rng = np.random.default_rng([seed, 7919, i])
         split_losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split
@@ -296,7 +299,9 @@ def evaluate():
             x, y = get_batch(split, rng, batch_size, block_size)
             with autocast:
                 split_losses[k] = eval_model(x, y)[1]
+            batches.update()
         losses[split] = split_losses.mean().item()
+    batches.close()
     eval_model.train()
     if not master:
         return
@@ -317,18 +322,23 @@ if wandb_log and master:
     import wandb
     wandb_id = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
                           **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
-peak = mfu.peak_flops(device_type, dtype, ddp)  # of ONE device: MFU is per device
+peak = mfu.peak_flops(device_type, dtype)  # of ONE device: MFU is per device
 progress = Progress(start_iter, max_iters, tokens_per_iter,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
-                    world, master)
+                    world, master, compiled=compile)
 if master:
     resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
     run.keep_tokenizer(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
-    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}, "
-          f"compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
+    if threads_note:
+        print(threads_note, flush=True)
+    # what decides the run's speed and quality, first
+    on = f", {threads} thread{'s' * (threads > 1)}" if device_type == "cpu" else ""
+    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}{on}, optimizer="
+          f"{optimizer}, compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
           f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)
-    print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else "n/a "
-                     "(peak FLOP/s of this device unknown)"), flush=True)
+    print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else
+                     mfu.CPU_NO_PEAK if device_type == "cpu" else
+                     "n/a (peak FLOP/s of this device unknown)"), flush=True)
 stop = stop_on_signals()
 stopping = False
 
@@ -337,11 +347,11 @@ stopping = False
 while iter_num < max_iters:
     # evaluate + checkpoint (not at the iteration a resumed run starts from: already done)
     if iter_num % eval_interval == 0 and not (resumed and iter_num == start_iter):
-        evaluate()
-        if iter_num > 0:
-            save_checkpoint()
+        with progress.paused():  # not training time: out of tokens/s
+            evaluate()
+            if iter_num > 0:
+                save_checkpoint()
 
-    t0 = time.time()
     for g in opt.param_groups:
         g["lr"] = lr_factor(iter_num) * g["base_lr"]
     loss_sum = torch.zeros((), device=dev)
@@ -379,7 +389,7 @@ while iter_num < max_iters:
     iter_num += 1
     tokens_seen += tokens_per_iter
     if master and (iter_num % log_interval == 0 or iter_num == max_iters):
-        progress.log(iter_num, loss_sum.item() / local_steps, grad_norm.item(), time.time() - t0)
+        progress.log(iter_num, loss_sum.item() / local_steps, grad_norm.item())
     if stopping:
         if master:
             progress.write(f"signal received: stopping at iteration {iter_num}")
@@ -390,6 +400,9 @@ while iter_num < max_iters:
 # can take longer than that.
 if stopping:
     save_checkpoint()
+    if master:
+        progress.write(f"saved {ckpt_path} (iteration {iter_num}); continue with "
+                       f"{run.resume_command(sys.argv, ddp)}")
 if iter_num > start_iter or not resumed:
     evaluate()
 save_checkpoint()

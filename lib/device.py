@@ -66,6 +66,55 @@ def cuda_autocast_dtype():
     return "bfloat16" if native else "float16"
 
 
+def busy_cores(readings=10, interval=0.01):
+    """How many cores other processes keep busy now: the runnable tasks the kernel counts
+    (/proc/loadavg's 4th field) less this one, the least of a few readings, since a task that
+    ran for a moment is no load while one that computes is runnable at every reading. Not the
+    load average: it lags by a minute and still holds the run before this one. None where
+    there is no /proc/loadavg (not Linux)."""
+    import time
+    counts = []
+    for _ in range(readings):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # less this reader
+        except (OSError, ValueError, IndexError):
+            return None
+        time.sleep(interval)
+    return max(0, min(counts))
+
+
+def fewer_threads(default, cores, busy):
+    """Torch threads for a CPU run on `cores` cores of which other processes keep `busy` busy:
+    torch's `default` (one per core), less the busy cores, at least 1. A thread that has to
+    wait for a core holds up every parallel op of every step, so a thread too many costs far
+    more than a thread too few (docs/SPEED.md#threads-on-a-busy-machine)."""
+    return max(1, min(default, cores - busy))
+
+
+def pick_threads(device_type):
+    """(torch threads this run computes with, a note saying why fewer than torch's default, or
+    None). Only a CPU run of one process on the machine whose user did not choose: an
+    OMP_NUM_THREADS that is set (torchrun sets it for its workers) is kept as it is."""
+    import torch
+    n = torch.get_num_threads()
+    if (device_type != "cpu" or "OMP_NUM_THREADS" in os.environ
+            or int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1):
+        return n, None
+    busy = busy_cores()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if busy is None or not cores:
+        return n, None
+    want = fewer_threads(n, cores, busy)
+    if want == n:
+        return n, None
+    torch.set_num_threads(want)
+    return want, (f"note: {want} torch thread{'s' * (want > 1)}, not {n}: {busy} other "
+                  f"task(s) are running on this machine's {cores} cores, and a thread that "
+                  f"waits for a core stalls every step (docs/SPEED.md); OMP_NUM_THREADS={n} "
+                  f"overrides")
+
+
 def device_memory(dev):
     """Bytes of memory on the device: a GPU's total, else the machine's RAM; None where the
     platform does not say (no sysconf: Windows)."""

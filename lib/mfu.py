@@ -1,45 +1,21 @@
 """MFU: model FLOPs per second of one device over that device's peak, the peak being a GPU's
-datasheet figure (lib/gpu_peaks.py) or this CPU's matmul rate, timed at the start of the run."""
-import time
-
+datasheet figure (lib/gpu_peaks.py). A CPU has none: n/a there (peak_flops says why)."""
 import torch
 
+CPU_NO_PEAK = ("n/a on a CPU: it has no datasheet peak, and one timed here measures how busy "
+               "the machine is as much as the CPU (slower runs showed higher MFUs); compare "
+               "tokens/s")
 
-def peak_flops(device_type, dtype, ddp):
+
+def peak_flops(device_type, dtype):
     """FLOP/s of ONE device (this process's) for MFU: a GPU's datasheet peak in the dtype that
-    runs, the CPU's timed matmul rate (a CPU has no honest datasheet number), else None."""
+    runs, else None. Not a CPU's: a rate timed at the start of a run moved with the load on
+    the machine, and one from the CPU's flags (cores x clock x FLOPs per cycle) would have to
+    guess the clock under load and the number of vector units, which no flag tells."""
     if device_type == "cuda":  # the datasheet table: only a GPU run needs it
         from lib.gpu_peaks import gpu_peak_flops
         return gpu_peak_flops(torch.cuda.get_device_name(), dtype)
-    return cpu_peak_flops(getattr(torch, dtype), ddp) if device_type == "cpu" else None
-
-
-def time_matmul(dtype, seconds=0.2, bursts=4):
-    """FLOP/s of a 1024^3 matmul in `dtype` on this process's threads: the best of a few short
-    bursts, so that a moment of load from other processes does not lower it."""
-    a = torch.randn(1024, 1024, dtype=dtype)
-    a @ a  # warm up
-    best = 0.0
-    for _ in range(bursts):
-        calls, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / bursts:
-            a @ a
-            calls += 1
-        best = max(best, 2 * 1024 ** 3 * calls / (time.perf_counter() - t0))
-    return best
-
-
-def cpu_peak_flops(dtype, ddp):
-    """One process's CPU peak in `dtype`: time_matmul's rate, timed afresh by every run (no file
-    kept in the user's home to go stale; the probe takes a fraction of a second). Under DDP
-    rank 0 times it alone and shares it: ranks timing at once on shared cores would each
-    measure a fraction of it."""
-    peak = torch.zeros((), dtype=torch.float64)
-    if not ddp or torch.distributed.get_rank() == 0:
-        peak.fill_(time_matmul(dtype))
-    if ddp:
-        torch.distributed.broadcast(peak, src=0)
-    return peak.item()
+    return None
 
 
 def flops_per_token(cfg, n_params, seq_len):

@@ -3,6 +3,7 @@ restart of this run, continues it exactly; init_from=RUN starts a new run from R
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 from lib.checkpoint import misfit, read, rescale
@@ -154,9 +155,34 @@ def continue_from(source, config, model_keys, tokenizer, out_dir, given, master)
     if args["pos_encoding"] == "learned" and args["block_size"] != theirs["block_size"]:
         raise UserError(f"pos_encoding='learned' has one row per position: block_size cannot "
                         f"change from init_from's {theirs['block_size']}")
+    try:  # now, so that a refusal can say which of the values it names are RUN's
+        RoFormerConfig(**args)
+    except ValueError as e:
+        raise UserError(kept_from_run(str(e), source, args, given)) from None
     if master:
         print(context_line(source, args, theirs, given), flush=True)
     return ckpt, args
+
+
+def kept_from_run(message, source, args, given):
+    """`message`, a refusal of the continuation's model args, and which of the values it names
+    the command never gave: RUN's position designs and scaling, kept where it sets none (a
+    --window=0 on a windowed RUN was refused over RUN's local_rope_base). With the flags that
+    drop them, when those make a model that is accepted."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RoFormerConfig)}
+    kept = [k for k in (*POSITION_KEYS, "rope_scaling", "rope_factor") if k not in given
+            and args[k] != defaults[k] and re.search(rf"\b{k}=", message)]
+    if not kept:
+        return message
+    said = ", ".join(f"{k}={args[k]!r}" for k in kept)
+    flags = " ".join(f"--{k}={defaults[k]!r}".replace("'", "") for k in kept)
+    try:
+        RoFormerConfig(**{**args, **{k: defaults[k] for k in kept}})
+    except ValueError:
+        return (f"{message} ({said} came from init_from={source}: this command does not set "
+                f"it, so RUN's is kept; set it with --KEY=VALUE)")
+    return (f"{message} ({said} came from init_from={source}: this command does not set it, "
+            f"so RUN's is kept; pass {flags} as well)")
 
 
 def context_args(args, theirs, given):

@@ -5,6 +5,7 @@ lib/mfu.py, the progress line and signals in lib/progress.py."""
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -118,20 +119,28 @@ def lock_out_dir(out_dir):
 
 
 def training_memory(mconf, batch_size, shards=1, checkpointing=False):
-    """Bytes one training process needs at the least, roughly: 16 per parameter (float32
-    weights and gradients, AdamW's two moments; FSDP shards them over `shards` ranks) and one
-    micro-batch's float32 activations (about 16 numbers per token and channel in each layer
-    kept for backward, 2 with activation checkpointing) and logits with their gradient."""
+    """Bytes one training process needs at the least, roughly, in parts [(what, the keys that
+    lower it, bytes)]: 16 per parameter (float32 weights and gradients, AdamW's two moments;
+    FSDP shards them over `shards` ranks), one micro-batch's float32 activations (about 16
+    numbers per token and channel in each layer kept for backward, 2 with activation
+    checkpointing) and its logits with their gradient. The vocabulary's part (embedding and
+    logits) is counted apart: it can dwarf the rest."""
     d, layers, vocab = mconf.n_embd, mconf.n_layer, mconf.vocab_size
-    params = 12 * layers * d * d + vocab * d  # attention 4 d^2, MLP 8 d^2, the tied embedding
-    per_token = layers * d * (2 if checkpointing else 16) + 2 * vocab
-    return 16 * params // shards + 4 * batch_size * mconf.block_size * per_token
+    tokens = batch_size * mconf.block_size
+    return [("the embedding and logits", "vocab_size", 16 * vocab * d // shards
+             + 4 * tokens * 2 * vocab),
+            ("the layers' weights and optimizer state", "n_layer or n_embd",  # attention
+             16 * 12 * layers * d * d // shards),                            # 4 d^2, MLP 8 d^2
+            ("the activations", "batch_size (gradient_accumulation_steps keeps the tokens per "
+             "step), block_size, n_layer or n_embd",
+             4 * tokens * layers * d * (2 if checkpointing else 16))]
 
 
-def check_fits(need, dev):
+def check_fits(parts, dev):
     """Refuse, before anything is allocated, a run that needs more than all of the device's
     memory (the CPU's RAM shared by this machine's ranks; a GPU's total): it would only end
-    in the allocator, or swap for minutes first. Only the clearly impossible is refused."""
+    in the allocator, or swap for minutes first. Only the clearly impossible is refused, with
+    the largest of training_memory's `parts` and what lowers it."""
     total = device_memory(dev) if dev.type in ("cuda", "cpu") else None
     if total is None:
         return
@@ -139,11 +148,12 @@ def check_fits(need, dev):
     total //= procs
     where = f"on {dev}" if dev.type == "cuda" else "of RAM" + (
         f" per process ({procs} share this machine)" if procs > 1 else "")
+    need = sum(n for _, _, n in parts)
     if need > total:
         gib = lambda n: f"{n / 2 ** 30:,.1f} GiB"  # noqa: E731
+        what, keys, most = max(parts, key=lambda part: part[2])
         raise UserError(f"this model and batch need about {gib(need)} per process, more than "
-                        f"the {gib(total)} {where}: lower batch_size (gradient_accumulation_"
-                        f"steps keeps the tokens per step), block_size, n_layer or n_embd")
+                        f"the {gib(total)} {where}; {what} take {gib(most)} of it: lower {keys}")
 
 
 def cxx_compiler_found():
@@ -179,6 +189,15 @@ def move_aside(out_dir, master, ddp):
             os.replace(old, os.path.join(out_dir, f"{name}.{stamp}{ext}"))
     print(f"note: {out_dir} held a checkpoint of another run; moved it to "
           f"ckpt.{stamp}.pt (and its log to log.{stamp}.jsonl)", flush=True)
+
+
+def resume_command(argv, ddp):
+    """The command that continues this run after a stop: this one with --init_from=resume in
+    place of any init_from it gave (under torchrun, which launches it from outside, said)."""
+    if ddp:
+        return "this torchrun command and --init_from=resume"
+    args = [a for a in argv[1:] if not a.startswith("--init_from=")]
+    return "python " + shlex.join([argv[0], *args, "--init_from=resume"])
 
 
 def new_log(log_path):
