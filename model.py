@@ -2,6 +2,7 @@
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
 transformer. Beside it: baselines.py (other position encodings, behind two hooks), caches.py (the
 decoding caches, driven by lib/decode.py), model_checks.py (the config's rules)."""
+import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -74,9 +75,17 @@ class RoFormerConfig:
         check_config(self)  # model_checks.py: every rule, one line per mistake
 
 
+def init_generator(seed, name, device="cpu"):
+    """Parameter `name`'s own stream: seeded by (seed, name) alone, so two configurations drawn
+    from one seed start every parameter they share equal, whatever else either one holds.
+    sha256, not hash(): Python salts str hashes per process."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
 @torch.no_grad()
-def init_parameter(name, p, n_layer, generator=None):
-    """The one init rule, by name (also for lib/checkpoint.py's meta-device build): matrices
+def init_parameter(name, p, n_layer, seed):
+    """The one init rule, by name (also for lib/build.py's meta-device build): matrices
     normal(0, 0.02), residual projections c_proj / sqrt(2 n_layer); norm weights 1, biases 0."""
     if name.endswith("bias"):
         p.zero_()
@@ -84,7 +93,7 @@ def init_parameter(name, p, n_layer, generator=None):
         p.fill_(1.0)
     else:
         std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
-        p.normal_(0.0, std, generator=generator)
+        p.normal_(0.0, std, generator=init_generator(seed, name, p.device))
 
 
 # 2. RoPE: channel i of a head pairs with channel i + d/2 and turns by m theta_i (docs/MODEL.md)
@@ -260,8 +269,9 @@ class Block(nn.Module):  # pre-norm: x + attn(norm(x)), then x + mlp(norm(x))
 
 
 class RoFormer(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
+    def __init__(self, cfg, seed=None):
+        super().__init__()  # seed None: drawn first, before the layers' own constructors draw
+        seed = int(torch.randint(2 ** 62, (), device="cpu")) if seed is None else seed
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
@@ -279,8 +289,9 @@ class RoFormer(nn.Module):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.table_start = 0  # the tables hold positions table_start.. (hold_positions)
         self.hold_positions(0, cfg.block_size, "cpu")  # not the window: a forward grows them
-        for name, p in self.named_parameters():  # a tied head is wte's weight: drawn once
-            init_parameter(name, p, cfg.n_layer)
+        if not self.wte.weight.is_meta:  # meta: lib/build.py draws once memory is given
+            for name, p in self.named_parameters():  # a tied head is wte's weight: drawn once
+                init_parameter(name, p, cfg.n_layer, seed)
 
     # Why a private hook: model.to(dtype) casts every floating buffer (no per-buffer opt-out);
     # plain attributes would not follow model.to(device), DDP or FSDP; and a table cast to bf16

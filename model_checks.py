@@ -24,6 +24,8 @@ def check_config(cfg):
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if not 0 < cfg.rotary_fraction <= 1:  # before any rule that reads rotary_dim (nan, inf)
+        raise ValueError(f"rotary_fraction must be in (0, 1], got {cfg.rotary_fraction!r}")
     rope, hd = cfg.pos_encoding == "rope", cfg.n_embd // cfg.n_head
     if not rope:
         import baselines  # here: a RoPE model never loads the ablation baselines
@@ -58,15 +60,15 @@ def check_config(cfg):
 
 def check_positions(cfg):
     """The position designs' fields (docs/MODEL.md), each refused in one line naming it."""
-    r, rope = cfg.n_embd // cfg.n_head * cfg.rotary_fraction, cfg.pos_encoding == "rope"
+    hd, rope = cfg.n_embd // cfg.n_head, cfg.pos_encoding == "rope"
+    r = hd * cfg.rotary_fraction
     for name, value in (("nope_every", cfg.nope_every), ("window", cfg.window),
                         ("global_every", cfg.global_every)):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     for wrong, why in [
-        (not 0 < cfg.rotary_fraction <= 1 or rope and (r != int(r) or r % 2), f"rotary_fraction="
-         f"{cfg.rotary_fraction:g} must be in (0, 1] and rotate an even number of each head's "
-         f"channels, got {r:g}"),
+        (rope and (r != int(r) or r % 2), f"rotary_fraction={cfg.rotary_fraction:g} must rotate "
+         f"an even number of each head's {hd} channels, got {r:g}"),
         (not rope and (cfg.rotary_fraction != 1 or cfg.nope_every or cfg.local_rope_base),
          f"rotary_fraction, nope_every and local_rope_base choose how RoPE rotates: "
          f"pos_encoding={cfg.pos_encoding!r} has no rotation"),
@@ -80,6 +82,18 @@ def check_positions(cfg):
          "attention='linear' never forms"),
         (not 0 <= cfg.length_temperature < math.inf, f"length_temperature must be finite and "
          f">= 0, got {cfg.length_temperature}")]:
+        if wrong:
+            raise ValueError(why)
+    # designs that change nothing: trained, they are the model without them under another name
+    for wrong, why in [
+        (cfg.nope_every > cfg.n_layer, f"nope_every={cfg.nope_every} changes nothing: a "
+         f"{cfg.n_layer}-layer model has no {cfg.nope_every}-th layer, so every layer rotates "
+         f"(use 1..{cfg.n_layer}, or 0)"),
+        (cfg.window >= cfg.context_window, f"window={cfg.window} changes nothing: every layer "
+         f"already sees the whole context window of {cfg.context_window} positions (use a "
+         f"window below it, or 0)"),
+        (cfg.window and cfg.global_every == 1, f"window={cfg.window} changes nothing with "
+         f"global_every=1: every layer is global (use global_every=0 or >= 2)")]:
         if wrong:
             raise ValueError(why)
 

@@ -65,14 +65,13 @@ def materialise(model, device):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    """model.init_parameter (the one rule), drawn so that it does not depend on the sharding:
-    each full parameter in turn from one generator seeded with `seed` on every rank, each rank
-    keeping its own shard of it (sharded random ops would give every number of ranks other
-    weights)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """model.init_parameter (the one rule: each parameter from its own (seed, name) stream, as
+    RoFormer(cfg, seed) draws it), so that it does not depend on the sharding: each full
+    parameter drawn on every rank, each rank keeping its own shard of it (sharded random ops
+    would give every number of ranks other weights)."""
     for name, p in model.named_parameters():  # the tied head is wte's weight: drawn once
         full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        init_parameter(name, full, model.config.n_layer, gen)
+        init_parameter(name, full, model.config.n_layer, seed)
         if hasattr(p, "device_mesh"):  # a DTensor: this rank's piece, cut locally
             from torch.distributed.tensor import distribute_tensor
             full = distribute_tensor(full, p.device_mesh, p.placements,

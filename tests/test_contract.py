@@ -109,7 +109,7 @@ def banded(window, calls):
     """The reference for the rolling cache: full-sequence attention (queries and keys at the
     same positions 0..T-1) whose causal mask is banded to the last `window` positions."""
     def wrap(real):
-        def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *a, **kw):
             i = torch.arange(q.size(-2), device=q.device)[:, None]
             j = torch.arange(k.size(-2), device=q.device)[None, :]
             band = (i >= j) & (i - j < window)
@@ -120,7 +120,7 @@ def banded(window, calls):
             else:
                 attn_mask = attn_mask.masked_fill(~band, float("-inf"))
             calls.append(q.size(-2))
-            return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False, **kw)
+            return real(q, k, v, attn_mask, dropout_p, False, *a, **kw)
         return sdpa
     return wrap
 
@@ -235,6 +235,69 @@ def check_shift_invariance(cfg, model_factory=RoFormer):
                                 f"encoding sees only distances")
 
 
+def rotated(x, pos, base, adjacent):
+    """The paper's rotation in float64, pair by pair: pair i of each head (channels i, i + d/2;
+    adjacent: 2i, 2i + 1) at position m turns by m theta_i, theta_i = base^(-2i/d)."""
+    d = x.size(-1)
+    pairs = [(2 * i, 2 * i + 1) if adjacent else (i, i + d // 2) for i in range(d // 2)]
+    out = x.clone()
+    for i, (a, b) in enumerate(pairs):
+        angle = pos.double()[:, None] * base ** (-2 * i / d)  # (T, 1): one angle per position
+        c, s = angle.cos(), angle.sin()
+        out[..., a], out[..., b] = x[..., a] * c[:, 0] - x[..., b] * s[:, 0], \
+            x[..., b] * c[:, 0] + x[..., a] * s[:, 0]
+    return out
+
+
+@torch.no_grad()
+def check_rope_rotation(cfg, model_factory=RoFormer):
+    """Plain RoPE (the default position design): the q and k every layer hands to
+    F.scaled_dot_product_attention are c_attn's q and k (channels [q | k | v], heads of d in
+    order) rotated by the paper's angles m theta_i, theta_i = rope_base^(-2i/d), in every head,
+    at positions from 0 and from 1000, against a float64 rotation written pair by pair (either
+    pairing convention). A wrong angle in some heads keeps every other property here."""
+    plain = dict(pos_encoding="rope", attention="softmax", rope_scaling="none",
+                 rotary_fraction=1.0, nope_every=0, window=0, length_temperature=0.0)
+    changed = [k for k, v in plain.items() if getattr(cfg, k, v) != v]
+    if changed:
+        pytest.skip(f"rope rotation: checked on plain RoPE only ({', '.join(changed)} differ)")
+    model = build(cfg, model_factory)
+    H, d = cfg.n_head, cfg.n_embd // cfg.n_head
+    idx = tokens(cfg, 2, min(cfg.block_size, 20))
+    inputs, seen = [], []
+    hooks = [b.attn.c_attn.register_forward_hook(lambda mod, inp, out: inputs.append(out))
+             for b in model.blocks]
+
+    def record(real):
+        def sdpa(q, k, v, *a, **kw):
+            seen.append((q, k))
+            return real(q, k, v, *a, **kw)
+        return sdpa
+    try:
+        for start in (0, 1000):
+            with wrapped_sdpa(record):
+                model(idx, start_pos=start)
+            if len(seen) != len(inputs):
+                pytest.skip("rope rotation: the attention does not call "
+                            "F.scaled_dot_product_attention once per layer")
+            pos = torch.arange(idx.size(1)) + start
+            for layer, (qkv, (q, k)) in enumerate(zip(inputs, seen)):
+                B, T, _ = qkv.shape
+                want = qkv.double().view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)[:2]
+                got = torch.stack((q, k)).double()
+                err = min(((got - rotated(want, pos, cfg.rope_base, adj)).abs().amax((0, 1, 3, 4))
+                           for adj in (False, True)), key=lambda e: e.max()) / want.abs().max()
+                head = int(err.argmax())
+                assert err[head] <= 1e-5, (
+                    f"rope rotation: layer {layer} head {head}'s q and k at positions from "
+                    f"{start} are not c_attn's turned by m theta_i, theta_i = "
+                    f"{cfg.rope_base:g}^(-2i/{d}) (max |diff| {err[head]:.2e} of max |q|, |k|)")
+            inputs.clear(), seen.clear()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def check_prefix(cfg, model_factory=RoFormer):
     """A forward over the first t tokens gives the first t logits of the longer forward: no
@@ -258,12 +321,27 @@ def check_cached_decoding(cfg, model_factory=RoFormer):
     T = min(cfg.context_window, 20)
     idx = tokens(cfg, 2, T)
     want = model(idx)[0]
-    for split in sorted({1, T // 3, T - 1}):
-        got = cached_logits(model, idx, split)
-        for i, p in enumerate(range(split - 1, T)):
-            d = max_diff(got[:, i], want[:, p])
-            assert d <= TOL, (f"cached decoding: logit at position {p} differs from the full "
-                              f"forward after a {split}-token prefill (max |diff| {d:.2e})")
+    got = {split: cached_logits(model, idx, split) for split in sorted({1, T // 3, T - 1})}
+    bad = first_difference(got, want, "the full forward")
+    assert bad is None, f"cached decoding: {bad}"
+
+
+def first_difference(got, want, reference, where=""):
+    """None, or where the cached logits {split: logits at positions split-1..} first differ
+    from the reference's `want`: the earliest position over every prefill (a later one is
+    often the same bug's echo, as when a cache wraps), and how many of that prefill's positions
+    differ."""
+    worst = None
+    for split, logits in got.items():
+        d = (logits - want[:, split - 1:split - 1 + logits.size(1)]).abs().amax((0, 2))
+        off = (d > TOL).nonzero().flatten().tolist()
+        if off and (worst is None or split - 1 + off[0] < worst[0]):
+            worst = (split - 1 + off[0], split, len(off), len(d), d[off[0]].item())
+    if worst is not None:
+        p, split, n, of, d = worst
+        return (f"logit at position {p}{where} differs from {reference} after a {split}-token "
+                f"prefill (max |diff| {d:.2e}); {n} of the {of} positions from the prefill's "
+                f"last on differ")
 
 
 @torch.no_grad()
@@ -286,12 +364,9 @@ def check_rolling_cache(cfg, model_factory=RoFormer):
     if cfg.attention != "linear" and not calls:
         pytest.skip("rolling cache: the attention does not call F.scaled_dot_product_attention, "
                     "so no band-masked reference is built")
-    for split, got in got.items():
-        for i, p in enumerate(range(split - 1, idx.size(1))):
-            d = max_diff(got[:, i], want[:, p])
-            assert d <= TOL, (f"rolling cache: logit at position {p} ({windows(cfg)}) differs from "
-                              f"the {'full' if calls == [] else 'band-masked'} forward after a "
-                              f"{split}-token prefill (max |diff| {d:.2e})")
+    bad = first_difference(got, want, f"the {'full' if calls == [] else 'band-masked'} forward",
+                           f" ({windows(cfg)})")
+    assert bad is None, f"rolling cache: {bad}"
 
 
 def check_compiled_decoding(cfg, model_factory=RoFormer):
@@ -547,7 +622,10 @@ def check_export(cfg, model_factory, kind, tmp_path):
     for what, got in outputs.items():
         d = max_diff(got.double(), want.double())
         assert d <= 1e-4, (f"export: {kind} accepts this configuration, but {what} differs from "
-                           f"ours by {d:.2e} (max |logit diff|): map it exactly or refuse it")
+                           f"ours by {d:.2e} (max |logit diff|): the export does not map this "
+                           f"model (map it exactly or refuse it), or the model's maths have "
+                           f"changed (the rope rotation check and test_model.py's float64 "
+                           f"reference say which)")
 
 
 def export_hf(model, model_factory, folder, idx):
@@ -600,6 +678,10 @@ def test_eval_mode_is_deterministic(contract_cfg):  # first: see its check
 
 def test_causality(contract_cfg):
     check_causality(contract_cfg)
+
+
+def test_rope_rotates_by_the_papers_angles(contract_cfg):
+    check_rope_rotation(contract_cfg)
 
 
 def test_a_prefix_gives_the_same_logits(contract_cfg):
@@ -661,11 +743,11 @@ def test_export_maps_exactly_or_refuses(contract_cfg, kind, tmp_path):
 
 def look_ahead(real):
     """A causal mask off by one: each query also sees the next token."""
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *a, **kw):
         if is_causal and attn_mask is None:
             attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool,
                                    device=q.device).tril(diagonal=1)
-        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False, **kw)
+        return real(q, k, v, attn_mask, dropout_p, False, *a, **kw)
     return sdpa
 
 
@@ -681,8 +763,9 @@ class DropoutInEval(RoFormer):
     def forward(self, *args, **kw):
         p = self.config.dropout
 
-        def always(real):
-            return lambda *a, dropout_p=0.0, **k: real(*a, dropout_p=p, **k)
+        def always(real):  # dropout_p passed by keyword or as the fifth argument
+            return lambda q, k, v, attn_mask=None, dropout_p=0.0, *a, **kw: real(
+                q, k, v, attn_mask, p, *a, **kw)
         with wrapped_sdpa(always):
             return super().forward(*args, **kw)
 
@@ -730,8 +813,8 @@ class ScaleFromLength(RoFormer):
 
     def forward(self, *args, **kw):
         def wrap(real):
-            return lambda q, k, v, **kw: real(q, k, v, scale=math.log(k.size(-2) + 1) / math.sqrt(
-                q.size(-1)), **kw)
+            return lambda q, k, v, *a, **kw: real(q, k, v, *a, **{**kw, "scale": math.log(
+                k.size(-2) + 1) / math.sqrt(q.size(-1))})
         with wrapped_sdpa(wrap):
             return super().forward(*args, **kw)
 
@@ -744,8 +827,8 @@ class CacheSkipsKeyRope(RoFormer):
             return super().forward(idx, targets)
         real = model_module.apply_rope
 
-        def queries_only(qk, cos, sin):  # Attention.softmax rotates q and k stacked
-            return torch.stack((real(qk[0], cos, sin), qk[1]))
+        def queries_only(qk, *args, **kw):  # Attention.softmax rotates q and k stacked
+            return torch.stack((real(qk[0], *args, **kw), qk[1]))
         with mock.patch.object(model_module, "apply_rope", queries_only):
             return super().forward(idx, targets, cache, start_pos)
 
@@ -767,16 +850,33 @@ class PartialRotaryLinear(RoFormer):
     def forward(self, *args, **kw):
         real = model_module.apply_rope
 
-        def half_rotary(x, cos, sin):  # the table's first D/4 frequencies on channels :D/2
+        def half_rotary(x, cos, sin, *args, **kw):  # the first D/4 frequencies on :D/2
             h, q = x.size(-1) // 2, x.size(-1) // 4
             c, s = torch.cat((cos[..., :q], cos[..., :q]), -1), \
                 torch.cat((sin[..., :q], sin[..., h:h + q]), -1)
-            return torch.cat((real(x[..., :h], c, s), x[..., h:]), -1)
+            return torch.cat((real(x[..., :h], c, s, *args, **kw), x[..., h:]), -1)
         with mock.patch.object(model_module, "apply_rope", half_rotary):
             return super().forward(*args, **kw)
 
 
+class DoubleAngleInHalfTheHeads(RoFormer):
+    """The second half of the heads turn by 2 m theta_i (cos 2a, sin 2a from the tables):
+    still relative, causal and cache-consistent, so only the rotation check (and the exports)
+    see it."""
+
+    def forward(self, *args, **kw):
+        real = model_module.apply_rope
+
+        def doubled(x, cos, sin, *a, **k):  # x: (.., H, T, D); tables [cos a, cos a], [-sin, sin]
+            h = x.size(-3) // 2
+            return torch.cat((real(x[..., :h, :, :], cos, sin, *a, **k), real(
+                x[..., h:, :, :], 2 * cos * cos - 1, 2 * sin * cos, *a, **k)), -3)
+        with mock.patch.object(model_module, "apply_rope", doubled):
+            return super().forward(*args, **kw)
+
+
 @pytest.mark.parametrize("broken,check,prop,on", [
+    (DoubleAngleInHalfTheHeads, check_rope_rotation, "rope rotation", []),
     (DropoutInEval, check_eval_determinism, "eval determinism", []),
     (LowPrecisionAngles, check_bf16_autocast, "bf16 autocast", []),
     (CompiledPathDetaches, check_compiled_training_step, "compiled training step", []),
@@ -858,3 +958,85 @@ def test_an_every_k_th_layer_option_acts_and_an_inert_one_is_named(every):
                           lambda c: RoFormer(dataclasses.replace(c, nope_every=0)))
     assert str(failure.value).startswith(f"inert option: --model nope_every={every} "), \
         failure.value
+
+
+class LateStep(RoFormer):
+    """A one-token cached step placed one position later than its token: every step after
+    a prefill is wrong."""
+
+    def forward(self, idx, targets=None, cache=None, start_pos=0):
+        late = cache is not None and idx.size(1) == 1
+        return super().forward(idx, targets, cache, start_pos + 1 if late else start_pos)
+
+
+@torch.no_grad()
+def test_a_cached_decoding_failure_names_the_first_position_that_differs_and_how_many():
+    """Reference: each prefill's cached logits against the full forward, compared here."""
+    from conftest import contract_overrides
+    cfg = contract_overrides([])[1]
+    with pytest.raises(AssertionError) as failure:
+        check_cached_decoding(cfg, LateStep)
+    model, T = build(cfg, LateStep), min(cfg.context_window, 20)
+    idx = tokens(cfg, 2, T)
+    want, first = model(idx)[0], {}
+    for split in sorted({1, T // 3, T - 1}):
+        d = (cached_logits(model, idx, split) - want[:, split - 1:]).abs().amax((0, 2))
+        off = (d > TOL).nonzero().flatten() + split - 1
+        if len(off):
+            first[split] = (off[0].item(), len(off), len(d))
+    split = min(first, key=lambda s: first[s][0])
+    p, n, of = first[split]
+    assert str(failure.value).startswith(f"cached decoding: logit at position {p} differs from "
+                                         f"the full forward after a {split}-token prefill")
+    assert f"; {n} of the {of} positions" in str(failure.value), failure.value
+
+
+class PassesMore(RoFormer):
+    """A correct model whose calls carry more arguments than today's: scale= (its default,
+    1/sqrt(d)) and the mask positionally to SDPA, and a fourth argument (a gain of 1) to
+    apply_rope, as a model change may."""
+
+    def forward(self, *args, **kw):
+        real_rope, designs = model_module.apply_rope, self.designs
+
+        class Functional:  # model.py's F, with SDPA called the other way
+            def __getattr__(self, name):
+                return getattr(F, name)
+
+            def scaled_dot_product_attention(self, q, k, v, attn_mask=None, **kw):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask,
+                                                      scale=q.size(-1) ** -0.5, **kw)
+
+        def with_gain(positions, cache):  # Attention.softmax calls apply_rope(qk, *rope)
+            positions = designs(positions, cache)
+            return positions._replace(rope=positions.rope + (1.0,))
+        with mock.patch.object(model_module, "F", Functional()), \
+                mock.patch.object(model_module, "apply_rope",
+                                  lambda x, cos, sin, gain: real_rope(x, cos, sin) * gain), \
+                mock.patch.object(self, "designs", with_gain):
+            return super().forward(*args, **kw)
+
+
+@pytest.mark.parametrize("broken,check,prop", [
+    (ScaleFromLength, check_prefix, "prefix"), (LookAheadMask, check_causality, "causality"),
+    (DropoutInEval, check_eval_determinism, "eval determinism"),
+    (CacheSkipsKeyRope, check_cached_decoding, "cached decoding"),
+    (CacheSkipsKeyRope, check_rolling_cache, "rolling cache"),
+    (DoubleAngleInHalfTheHeads, check_rope_rotation, "rope rotation")],
+    ids=lambda x: getattr(x, "__name__", None))
+def test_the_self_tests_hold_for_a_model_that_passes_more_arguments(broken, check, prop):
+    """The planted bugs' stand-ins forward whatever they are given: on a correct model that
+    calls SDPA with scale= and apply_rope with one more argument, the model passes and each
+    bug still fails its check, never with a TypeError from a stand-in's signature."""
+    fails_where_the_base_passes(type(broken.__name__, (PassesMore, broken), {}), check, prop,
+                                [], base=PassesMore)
+
+
+def test_an_export_that_disagrees_says_the_model_may_have_changed(tmp_path):
+    """Issue 45: RoPE at twice the angle in half the heads was caught only by the exports,
+    whose message then blamed the export alone."""
+    from conftest import contract_overrides
+    with pytest.raises(AssertionError) as failure:
+        check_export(contract_overrides([])[1], DoubleAngleInHalfTheHeads, "hf", tmp_path)
+    assert "map it exactly or refuse it" in str(failure.value) and \
+        "the model's maths have changed" in str(failure.value), failure.value
