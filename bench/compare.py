@@ -40,32 +40,32 @@ beta), no scipy. With n seeds it has n-1 degrees of freedom: 3 seeds give a wide
 paired with the base: its paired test only gives a noise floor.
 
 Output, under --out: results.json (one record per arm), results.md (the table), compare.png
-(loss against tokens and against wall time: mean over seeds, min-max band). Finished runs whose
-command is unchanged are reused (an interrupted one is trained again; --retrain for all). A
-variant that fails (an unknown key, a patch that does not apply, a crash) is reported in one
-line and the other arms finish. Extra --key=value arguments go to every train.py run.
+(loss against tokens and against wall time: mean over seeds, min-max band), runs/<arm>-<hash>_sSEED
+(named by what the arm is, not its place in the list). A finished run is reused while nothing
+that decides it changed (its code, the config file's contents, the data, the flags); otherwise,
+or when interrupted, it is trained again and a line says why (--retrain for all). A variant
+that fails (an unknown key, a patch that does not apply, a crash) is reported in one line and
+the other arms finish. Extra --key=value arguments go to every train.py run; neither they nor a
+variant may set what compare sets itself (OWN_KEYS).
 """
 import argparse
 import hashlib
-import io
 import json
-import math
 import os
-import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 
 import numpy as np
-from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import runs as bench_runs  # noqa: E402  (read_log, finished, write_atomic: shared with ablation.py)
-from stats import t_cdf, t_quantile  # noqa: E402,F401  (tests/test_compare.py checks them here)
+import runs as bench_runs  # noqa: E402  (read_log, write_atomic: shared with ablation.py)
+from runs import (code_identity, iteration_of, last_error, materialise,  # noqa: E402
+                  patched_code, revision_code, run_logged, worktree_code)
+from stats import mean_std, paired, t_cdf, t_quantile  # noqa: E402,F401  (tests check them here)
 from lib.common import UserError, cli  # noqa: E402
 
 # The default model and budget when no config file is given: config/small.py's recipe, smaller
@@ -75,6 +75,14 @@ DEFAULT_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "b
                  "min_lr": 2e-4, "weight_decay": 0.1}
 NOISE_SEED_OFFSET = 10000  # the 'base' variant's seeds: other batches and init than the base's
 FIRST_SEED = 1337
+# train.py keys compare sets on every run (train_command), and init_from (another start is
+# another measurement): a flag or variant that changed them would make the report lie (a
+# --seed=5 after ours made every "seed" one run)
+OWN_KEYS = {"out_dir", "dataset", "data_dir", "seed", "device", "max_iters", "lr_decay_iters",
+            "warmup_iters", "eval_interval", "eval_iters", "compile", "wandb_log", "init_from"}
+# the tokens a run trains on: one arm changing them is not compared at an equal budget
+BUDGET_KEYS = {"batch_size", "block_size", "gradient_accumulation_steps"}
+MAX_RUNS = 1000  # each run is a whole train.py run: more is days of work, surely a typo
 
 
 def parse_args(argv):
@@ -101,94 +109,73 @@ def parse_args(argv):
     args.train_extra = extra
     if args.seeds < 1 or args.max_iters < 1 or args.eval_tokens < 2:
         raise UserError("need --seeds >= 1, --max_iters >= 1 and --eval_tokens >= 2")
+    n_arms = 1 + bool(args.against) + len(args.variant)
+    if args.seeds * n_arms > MAX_RUNS:
+        raise UserError(f"--seeds={args.seeds} x {n_arms} arm{'s' * (n_arms > 1)} is "
+                        f"{args.seeds * n_arms:,} train.py runs (at most {MAX_RUNS}): give "
+                        "fewer seeds")
+    check_keys(args)
     args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
     if args.config and not os.path.isfile(args.config):
         raise UserError(f"config file not found: {args.config}")
     args.config = os.path.abspath(args.config) if args.config else ""
     args.out = os.path.abspath(args.out)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out={args.out} is a file, not a folder")
     args.src_data = os.path.abspath(args.data_dir or os.path.join(ROOT, "data", args.dataset))
+    args.threads = run_threads()
     return args
+
+
+def run_threads():
+    """OMP_NUM_THREADS for every run, chosen once: the user's, else train.py's rule (the cores
+    other processes keep busy now are left to them, since a torch thread waiting for a core
+    stalls every step: docs/COMPARE.md) applied here at the start. One count for all runs, so
+    that arms run alike: train.py choosing per run, by the load at each start, would make the
+    tokens/s ratios compare thread counts."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return os.environ["OMP_NUM_THREADS"]
+    from lib.device import busy_cores, fewer_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy = busy_cores()
+    return str(fewer_threads(cores, cores, busy or 0) if cores else 1)
+
+
+def check_keys(args):
+    """Refuse, in one line, extra flags and variant keys that would override compare's own
+    settings, empty variants, and a key given twice in one variant."""
+    for a in args.train_extra:
+        key = a[2:].partition("=")[0]
+        if key in OWN_KEYS:
+            raise UserError(f"{a}: compare sets {key} itself for every run (the pairing and the "
+                            "budget depend on it); see --help")
+    for spec in args.variant:
+        if not spec.strip():
+            raise UserError("--variant='': an empty variant (give KEY=VALUE ..., patch:FILE "
+                            "or base)")
+        if spec in ("base", "worktree") or spec.startswith("patch:"):
+            continue
+        for key in parse_keys(spec):
+            if key in OWN_KEYS | BUDGET_KEYS:
+                why = ("compare sets it itself for every run" if key in OWN_KEYS else
+                       "it changes the tokens a run trains on: arms are compared at equal "
+                       f"tokens (give --{key}=... to every arm)")
+                raise UserError(f"--variant={spec!r}: {key}: {why}")
 
 
 # ----------------------------------------------------------------------------------------
 # code versions and arms
 
-def git(*cmd, **kw):
-    return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, check=True, **kw).stdout
-
-
-def materialise(dest, fill):
-    """The folder dest, filled once by fill(folder) (into a temporary folder, then renamed)."""
-    if not os.path.isdir(dest):
-        tmp = dest + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        fill(tmp)
-        os.replace(tmp, dest)
-    return dest
-
-
-def revision_code(out, rev):
-    try:
-        sha = git("rev-parse", "--verify", "--quiet", rev + "^{commit}", text=True).strip()
-    except (subprocess.CalledProcessError, OSError):
-        raise UserError(f"--against={rev}: not a git revision of {ROOT}") from None
-    tar = git("archive", "--format=tar", sha)
-    # the "data" filter where this Python has it (newer ones warn without a filter)
-    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-    return materialise(os.path.join(out, "code", "rev-" + sha[:12]),
-                       lambda d: tarfile.open(fileobj=io.BytesIO(tar)).extractall(d, **safe))
-
-
-def worktree_code(out):
-    """A copy of the working tree as it is now (tracked and untracked files git does not
-    ignore), named by a hash of the contents: an edit makes a new copy, and new runs."""
-    try:
-        files = sorted(f for f in git("ls-files", "-z", "-co", "--exclude-standard",
-                                      text=True).split("\0")
-                       if f and os.path.isfile(os.path.join(ROOT, f)))
-    except (subprocess.CalledProcessError, OSError):
-        return ROOT  # not a git checkout: the tree itself
-    h = hashlib.sha256()
-    for f in files:
-        with open(os.path.join(ROOT, f), "rb") as fh:
-            h.update(f.encode() + b"\0" + hashlib.sha256(fh.read()).digest())
-
-    def copy(d):
-        for f in files:
-            os.makedirs(os.path.dirname(os.path.join(d, f)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, f), os.path.join(d, f))
-    return materialise(os.path.join(out, "code", "tree-" + h.hexdigest()[:12]), copy)
-
-
-def patched_code(out, base_code, patch):
-    """base_code with `patch` applied; a patch that does not apply is a UserError (its arm
-    only)."""
-    path = os.path.abspath(patch)
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"cannot read the patch {patch}: {e.strerror}") from None
-    name = f"{os.path.basename(base_code)}+{hashlib.sha256(text).hexdigest()[:12]}"
-
-    def fill(d):
-        shutil.copytree(base_code, d, dirs_exist_ok=True)
-        r = subprocess.run(["git", "apply", path], cwd=d, capture_output=True, text=True)
-        if r.returncode:
-            shutil.rmtree(d, ignore_errors=True)
-            why = (r.stderr.strip().splitlines() or ["git apply failed"])[-1]
-            raise UserError(f"the patch {patch} does not apply: {why}")
-    return materialise(os.path.join(out, "code", name), fill)
-
-
 def parse_keys(spec):
     keys = {}
     for item in spec.split():
         k, eq, v = item.partition("=")
+        k = k.removeprefix("--")
         if not eq or not k:
             raise UserError(f"--variant={spec!r}: expected KEY=VALUE items, got {item!r}")
-        keys[k.removeprefix("--")] = v
+        if k in keys:
+            raise UserError(f"--variant={spec!r}: {k} is given twice")
+        keys[k] = v
     return keys
 
 
@@ -213,7 +200,13 @@ def plan_arms(args):
         except UserError as e:
             arm["broken"] = str(e)
         arms.append(arm)
-    if len({a["name"] for a in arms}) < len(arms):
+    for arm in arms:  # what the arm is, whatever its place in the list: its runs' folders
+        what = ("patch:" + os.path.abspath(arm["name"][6:]) if arm["name"].startswith("patch:")
+                else " ".join(f"{k}={v}" for k, v in sorted(arm["keys"].items())) or arm["name"])
+        label = ("patch-" + os.path.basename(what) if what.startswith("patch:")
+                 else what.replace("=", "-"))
+        arm["folder"] = bench_runs.folder_name(what, label)
+    if len({a["folder"] for a in arms}) < len(arms):
         raise UserError("the same variant is given twice")
     return arms
 
@@ -221,8 +214,9 @@ def plan_arms(args):
 def held_out_data(args):
     """DIR/data/<id>: the dataset's train.bin and tokenizer (linked), its meta.json, and the
     first eval_tokens tokens of its val.bin, so that every run and every score reads the same
-    tokens. Named by the source and the slice: another slice is another folder, hence another
-    train.py command, so no finished run is reused with other held-out tokens."""
+    tokens. Named by a hash of the source folder, its meta.json, the slice's tokens and the
+    train split's and tokenizer's files: other data is another folder, part of every run's key,
+    so no finished run is reused with other data."""
     src = args.src_data
     if not os.path.exists(os.path.join(src, "val.bin")) and args.dataset == "pystdlib" \
             and not args.data_dir:  # what train.py would do on first use
@@ -232,7 +226,12 @@ def held_out_data(args):
     meta = load_meta(src)
     val = np.asarray(open_split(src, "val", meta))[:args.eval_tokens]
     meta = dict(meta, val_tokens=len(val))
-    key = hashlib.sha256(json.dumps([src, meta], sort_keys=True).encode()).hexdigest()[:12]
+    h = hashlib.sha256(json.dumps([src, meta], sort_keys=True).encode() + val.tobytes())
+    for name in ("train.bin", "tokenizer.model"):  # a rebuilt file has another size or mtime
+        if os.path.exists(os.path.join(src, name)):
+            st = os.stat(os.path.join(src, name))
+            h.update(f"{name} {st.st_size} {st.st_mtime_ns}".encode())
+    key = h.hexdigest()[:12]
 
     def fill(d):
         with open(os.path.join(d, "meta.json"), "w") as f:
@@ -250,10 +249,10 @@ def held_out_data(args):
 def plan_runs(args, arms):
     runs = []
     for i in range(args.seeds):
-        for k, arm in enumerate(arms):
+        for arm in arms:
             seed = FIRST_SEED + i + arm["seed_offset"]
             runs.append({"arm": arm, "seed": seed, "pair": i,
-                         "dir": os.path.join(args.out, "runs", f"arm{k}_s{seed}")})
+                         "dir": os.path.join(args.out, "runs", f"{arm['folder']}_s{seed}")})
     return runs
 
 
@@ -272,46 +271,50 @@ def train_command(args, run, data):
             + list(args.train_extra) + [f"--{k}={v}" for k, v in arm["keys"].items()])
 
 
-def last_error(path):
-    """The line a failed command ends with: its `error: ...` line, else its last line."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = [ln.strip() for ln in f if ln.strip()]
-    except OSError:
-        return "no output"
-    errors = [ln for ln in lines if ln.startswith("error:")]
-    return (errors or lines or ["no output"])[-1].removeprefix("error: ")
+def run_key(args, run, cmd, data):
+    """Everything that decides a run: its code, the config file's contents (not its path), the
+    data (the held-out folder's name is a hash of it) and every other flag."""
+    config = ""
+    if args.config:
+        with open(args.config, "rb") as f:
+            config = hashlib.sha256(f.read()).hexdigest()
+    paths = (f"--out_dir={run['dir']}", f"--data_dir={data}", args.config)
+    return {"code": code_identity(run["arm"]["code"]), "config file": config,
+            "data": os.path.basename(data), "flags": [a for a in cmd[2:] if a not in paths]}
 
 
-def run_logged(cmd, cwd, out_path):
-    """Run cmd with its output in out_path; returns (exit code, peak RSS in MiB)."""
-    with open(out_path, "w") as f:
-        p = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, usage.ru_maxrss / 1024  # Linux: KiB
-
-
-def train_and_score(args, run, data):
-    """Train (unless finished with this command) and score one run; its record in
+def train_and_score(args, run, data, progress=None):
+    """Train (unless finished with the same key) and score one run; its record in
     run['result'], or a one-line reason in run['arm']['broken']."""
     arm, cmd = run["arm"], train_command(args, run, data)
+    key = run_key(args, run, cmd, data)
     stats_path = os.path.join(run["dir"], "compare_run.json")
-    if not args.retrain and bench_runs.finished(run, cmd, args.max_iters) \
-            and os.path.exists(stats_path):
+    why = "--retrain" if args.retrain else bench_runs.stale(run["dir"], key, args.max_iters)
+    if why is None and os.path.exists(stats_path):
         with open(stats_path) as f:
             run["result"] = json.load(f)
         return "reused"
+    if why not in (None, "new", "--retrain"):  # the user asked for --retrain: no line a run
+        say = progress.write if progress else print
+        say(f"{arm['name']} seed {run['seed']}: trained again ({why})")
     shutil.rmtree(run["dir"], ignore_errors=True)  # a stale or interrupted run of ours
     os.makedirs(run["dir"])
-    rc, rss = run_logged(cmd, arm["code"], os.path.join(run["dir"], "train.out"))
+
+    def on_line(line):  # the bar moves while the run trains, not only when it ends
+        it = iteration_of(line)
+        if progress and it is not None:
+            progress.at(it)
+    on_line("iter 0")
+    env = dict(os.environ, OMP_NUM_THREADS=args.threads)
+    rc, rss = run_logged(cmd, arm["code"], os.path.join(run["dir"], "train.out"), on_line, env)
     if rc:
         arm["broken"] = f"train.py failed (exit {rc}): {last_error(os.path.join(run['dir'], 'train.out'))}"
         return "failed"
     score_out = os.path.join(run["dir"], "eval.out")
     rc, _ = run_logged([sys.executable, os.path.join(arm["code"], "eval.py"),
                         f"--out_dir={run['dir']}", "--split=val", "--json=True",
-                        f"--device={args.device}", "--dtype=float32"], arm["code"], score_out)
+                        f"--device={args.device}", "--dtype=float32"], arm["code"], score_out,
+                       env=env)
     if rc:
         arm["broken"] = f"eval.py failed (exit {rc}): {last_error(score_out)}"
         return "failed"
@@ -322,9 +325,10 @@ def train_and_score(args, run, data):
                      "bpb": score["bits_per_byte"], "scored_tokens": score["tokens"],
                      "tokens": log[-1]["tokens"], "train_s": log[-1]["time_s"],
                      "tokens_per_s": log[-1]["tokens"] / log[-1]["time_s"],
-                     "peak_rss_mib": rss, "params": count_params(run["dir"])}
+                     "peak_rss_mib": rss, "params": count_params(run["dir"]),
+                     "threads": args.threads}
     bench_runs.write_atomic(stats_path, json.dumps(run["result"]))
-    bench_runs.write_atomic(os.path.join(run["dir"], "ablation_cmd.json"), json.dumps(cmd[1:]))
+    bench_runs.write_atomic(os.path.join(run["dir"], "run_key.json"), json.dumps(key))  # last
     return "trained"
 
 
@@ -337,14 +341,15 @@ def count_params(run_dir):
 
 
 def train_all(args, runs, data):
-    bar = tqdm(runs, desc="runs", unit="run")
-    for run in bar:
+    """Every run, with progress by iterations as each trains (a bar on a terminal, a plain line
+    with an estimate otherwise: a run takes minutes)."""
+    bar = bench_runs.RunsProgress(len(runs), args.max_iters)
+    for k, run in enumerate(runs):
         arm = run["arm"]
-        if arm["broken"]:
-            continue
-        bar.set_postfix_str(f"{arm['name']} seed {run['seed']}")
-        what = train_and_score(args, run, data)
-        if arm["broken"]:
+        bar.start(k, f"{arm['name']} seed {run['seed']}")
+        what = "skipped" if arm["broken"] else train_and_score(args, run, data, bar)
+        bar.end(trained=what in ("trained", "failed"))
+        if arm["broken"] and what != "skipped":
             bar.write(f"error: variant {arm['name']!r} is broken: {arm['broken']} "
                       f"(see {run['dir']}); the other arms go on")
         elif what == "reused":
@@ -353,32 +358,7 @@ def train_all(args, runs, data):
 
 
 # ----------------------------------------------------------------------------------------
-# statistics: a paired t-test (Student's t: bench/stats.py)
-
-def paired(diffs):
-    """Mean of the per-seed differences, its 95% interval and the two-sided p-value of a paired
-    t-test (None where fewer than 2 pairs)."""
-    n = len(diffs)
-    mean = sum(diffs) / n if n else float("nan")
-    if n < 2:
-        return {"mean": mean, "ci95": None, "p": None, "pairs": n}
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
-    if se == 0:  # identical differences: exact
-        return {"mean": mean, "ci95": [mean, mean], "p": float(mean == 0), "pairs": n}
-    q = t_quantile(0.975, n - 1)
-    p = 2 * t_cdf(-abs(mean / se), n - 1)
-    return {"mean": mean, "ci95": [mean - q * se, mean + q * se], "p": p, "pairs": n}
-
-
-def mean_std(xs):
-    if not xs:
-        return None, None
-    m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
-
-
-# ----------------------------------------------------------------------------------------
-# the report
+# the report (statistics: a paired t-test, bench/stats.py)
 
 def time_to(log, target):
     """Wall time of the first logged evaluation whose val loss is <= target (None: never)."""
@@ -396,6 +376,7 @@ def arm_records(args, arms, runs):
     for arm in arms:
         res = [r["result"] for r in by_arm[arm["name"]]]
         rec = {"arm": arm["name"], "code": os.path.relpath(arm["code"], args.out),
+               "runs_dir": f"runs/{arm['folder']}_sSEED",
                "keys": arm["keys"], "broken": arm["broken"], "seeds": [r["seed"] for r in res],
                "runs": res}
         if res and not arm["broken"]:
@@ -403,13 +384,15 @@ def arm_records(args, arms, runs):
                      if r["pair"] in base]
             reach = [time_to(bench_runs.read_log(r["dir"]), target) for r in by_arm[arm["name"]]]
             tps = mean_std([r["tokens_per_s"] for r in res])[0]
+            # runs timed at other thread counts (reused from another invocation): no ratio
+            alike = {r.get("threads") for r in res} == {r.get("threads") for r in base.values()}
             rss = mean_std([r["peak_rss_mib"] for r in res])[0]
             for key in ("loss", "bpb"):
                 rec[key + "_mean"], rec[key + "_std"] = mean_std([r[key] for r in res])
                 rec[key + "_diff"] = paired([a[key] - b[key] for a, b in pairs])
             reached = [t for t in reach if t is not None]
             rec.update(tokens=res[0]["tokens"], params=res[0]["params"], tokens_per_s=tps,
-                       tokens_per_s_ratio=tps / base_tps if base_tps else None,
+                       tokens_per_s_ratio=tps / base_tps if alike and base_tps else None,
                        peak_rss_mib=rss, memory_ratio=rss / base_rss if base_rss else None,
                        base_final_val_loss=target,
                        time_to_base_loss_s=mean_std(reached)[0] if reached else None,
@@ -426,7 +409,8 @@ def diff_cell(d):
     if d is None:
         return "n/a"
     if d["ci95"] is None:
-        return f"{d['mean']:+.4f} (1 pair: no interval)"
+        why = "1 pair" if d["pairs"] < 2 else "identical differences"
+        return f"{d['mean']:+.4f} ({why}: no interval)"
     return f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] p={d['p']:.3g}"
 
 
@@ -485,6 +469,9 @@ def main(argv):
             print(f"error: variant {arm['name']!r} is broken: {arm['broken']}; the other arms go on")
     data = held_out_data(args)
     runs = plan_runs(args, arms)
+    print(f"every run: OMP_NUM_THREADS={args.threads} (" + ("yours" if os.environ.get(
+        "OMP_NUM_THREADS") else "the cores free at the start; set OMP_NUM_THREADS to choose")
+        + ")")
     train_all(args, runs, data)
     if arms[0]["broken"]:
         raise UserError(f"the base is broken: {arms[0]['broken']}")
@@ -495,7 +482,8 @@ def main(argv):
         f"{args.max_iters} iterations, {records[0]['tokens']:,} training tokens per run; held-out:"
         f" the first {records[0]['runs'][0]['scored_tokens']:,} tokens of "
         f"{args.src_data}/val.bin scored by eval.py (float32). Δ: arm − base, paired by seed "
-        f"(t-test over seeds). Ratios: arm / base. Wall time of this invocation: "
+        f"(t-test over seeds). Ratios: arm / base. OMP_NUM_THREADS={args.threads}. Wall time "
+        f"of this invocation: "
         f"{(time.time() - t0) / 60:.1f} min.", "", table(records), ""])
     bench_runs.write_atomic(os.path.join(args.out, "results.json"), json.dumps(records, indent=1))
     bench_runs.write_atomic(os.path.join(args.out, "results.md"), md)

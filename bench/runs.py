@@ -1,8 +1,24 @@
 """The run helpers bench/ablation.py and bench/compare.py share: a train.py run folder's
-log, whether a finished run can be reused, atomic text and figure writes, and pyplot where
-installed."""
+log, whether a finished run can be reused (by its command, or by a key of everything that
+decides it), a folder name that says what a run is, a command run with its output logged,
+progress over many runs, atomic text and figure writes, and pyplot where installed; and the
+code versions compare's arms run (a git revision, the working tree, a patch)."""
+import hashlib
+import io
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+from tqdm import tqdm
+
+from lib.common import UserError  # the importers put the repo root on sys.path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_atomic(path, text):
@@ -30,6 +46,202 @@ def finished(run, cmd, max_iters):
     log = read_log(run["dir"])
     return (same and os.path.exists(os.path.join(run["dir"], "ckpt.pt"))
             and bool(log) and log[-1]["iter"] >= max_iters)
+
+
+def stale(run_dir, key, max_iters):
+    """Why the run in run_dir cannot be reused for `key` (what decides the run: {part: value},
+    written to run_key.json once it finished), or None when it can. A folder without a key is
+    an interrupted run (the key is written last)."""
+    try:
+        with open(os.path.join(run_dir, "run_key.json")) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return "interrupted" if os.path.isdir(run_dir) else "new"
+    changed = [part for part in key if old.get(part) != key[part]]
+    if changed:
+        return "its " + ", ".join(changed) + " changed since it was trained"
+    log = read_log(run_dir)
+    if not (os.path.exists(os.path.join(run_dir, "ckpt.pt")) and log
+            and log[-1]["iter"] >= max_iters):
+        return "interrupted"
+    return None
+
+
+def folder_name(identity, label):
+    """A run folder's name from what the run is, not where it stands in a list: a readable slug
+    of label and a hash of identity (so two arms whose slugs agree still differ)."""
+    slug = re.sub(r"[^A-Za-z0-9_.]+", "-", label).strip("-")[:40] or "arm"
+    return f"{slug}-{hashlib.sha256(identity.encode()).hexdigest()[:8]}"
+
+
+class RunsProgress:
+    """Iterations over a list of runs, as they train: a tqdm bar on a terminal, else a plain
+    line at most every `every` seconds, with an estimate of the time left for all the runs."""
+
+    def __init__(self, n_runs, max_iters, every=30.0):
+        self.n_runs, self.max_iters, self.every = n_runs, max_iters, every
+        self.done, self.trained_iters, self.t_train, self.said = 0, 0, 0.0, 0.0
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=n_runs * max_iters, unit="it", dynamic_ncols=True,
+                        disable=not self.tty)
+        self.what, self.it, self.t_run = "", 0, time.time()
+
+    def start(self, k, what):
+        self.what, self.it, self.t_run = f"run {k + 1}/{self.n_runs}: {what}", 0, time.time()
+        self.bar.set_description(self.what)
+        self.said = 0.0  # a plain line as each run starts, then every `every` seconds
+
+    def at(self, it):
+        """The run in flight is at iteration it."""
+        self.it = min(max(it, self.it), self.max_iters)
+        self.bar.update(self.done + self.it - self.bar.n)
+        now = time.time()
+        if not self.tty and now - self.said >= self.every:
+            self.said = now
+            iters = self.trained_iters + self.it
+            left = self.n_runs * self.max_iters - self.done - self.it
+            line = f"{self.what}: iteration {self.it}/{self.max_iters}"
+            if iters:
+                eta = int((self.t_train + now - self.t_run) / iters * left)
+                line += f", eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d} for all runs"
+            print(line, flush=True)
+
+    def end(self, trained):
+        """The run in flight ended (trained: it ran here; else it was reused or skipped)."""
+        if trained:
+            self.trained_iters += self.max_iters
+            self.t_train += time.time() - self.t_run
+        self.done += self.max_iters
+        self.it = 0
+        self.bar.update(self.done - self.bar.n)
+
+    def write(self, line):
+        self.bar.write(line)
+
+    def close(self):
+        self.bar.close()
+
+
+# ----------------------------------------------------------------------------------------
+# code versions (compare's arms): each made once under OUT/code/; the checkout is only read
+
+def git(*cmd, **kw):
+    return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, check=True, **kw).stdout
+
+
+def materialise(dest, fill):
+    """The folder dest, filled once by fill(folder) (into a temporary folder, then renamed)."""
+    if not os.path.isdir(dest):
+        tmp = dest + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        fill(tmp)
+        os.replace(tmp, dest)
+    return dest
+
+
+def revision_code(out, rev):
+    try:
+        sha = git("rev-parse", "--verify", "--quiet", rev + "^{commit}", text=True).strip()
+    except (subprocess.CalledProcessError, OSError):
+        raise UserError(f"--against={rev}: not a git revision of {ROOT}") from None
+    tar = git("archive", "--format=tar", sha)
+    # the "data" filter where this Python has it (newer ones warn without a filter)
+    safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    return materialise(os.path.join(out, "code", "rev-" + sha[:12]),
+                       lambda d: tarfile.open(fileobj=io.BytesIO(tar)).extractall(d, **safe))
+
+
+def worktree_code(out):
+    """A copy of the working tree as it is now (tracked and untracked files git does not
+    ignore), named by a hash of the contents: an edit makes a new copy, and new runs."""
+    try:
+        files = sorted(f for f in git("ls-files", "-z", "-co", "--exclude-standard",
+                                      text=True).split("\0")
+                       if f and os.path.isfile(os.path.join(ROOT, f)))
+    except (subprocess.CalledProcessError, OSError):
+        return ROOT  # not a git checkout: the tree itself
+    h = hashlib.sha256()
+    for f in files:
+        with open(os.path.join(ROOT, f), "rb") as fh:
+            h.update(f.encode() + b"\0" + hashlib.sha256(fh.read()).digest())
+
+    def copy(d):
+        for f in files:
+            os.makedirs(os.path.dirname(os.path.join(d, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(d, f))
+    return materialise(os.path.join(out, "code", "tree-" + h.hexdigest()[:12]), copy)
+
+
+def patched_code(out, base_code, patch):
+    """base_code with `patch` applied; a patch that does not apply is a UserError (its arm
+    only)."""
+    path = os.path.abspath(patch)
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read the patch {patch}: {e.strerror}") from None
+    name = f"{os.path.basename(base_code)}+{hashlib.sha256(text).hexdigest()[:12]}"
+
+    def fill(d):
+        shutil.copytree(base_code, d, dirs_exist_ok=True)
+        r = subprocess.run(["git", "apply", path], cwd=d, capture_output=True, text=True)
+        if r.returncode:
+            shutil.rmtree(d, ignore_errors=True)
+            why = (r.stderr.strip().splitlines() or ["git apply failed"])[-1]
+            raise UserError(f"the patch {patch} does not apply: {why}")
+    return materialise(os.path.join(out, "code", name), fill)
+
+
+def code_identity(code):
+    """What identifies a code version: its copy's name (a hash of its files, a commit, a patch's
+    hash), or for a tree that is not a git checkout (run in place) a hash of its Python files."""
+    if code != ROOT:
+        return os.path.basename(code)
+    h = hashlib.sha256()
+    for d, dirs, files in os.walk(ROOT):  # top-down, in the order of the sorted dirs
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "results")
+        for f in sorted(x for x in files if x.endswith(".py")):
+            with open(os.path.join(d, f), "rb") as fh:
+                h.update(os.path.relpath(os.path.join(d, f), ROOT).encode() + fh.read())
+    return "tree-" + h.hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------------------
+# running a command
+
+def last_error(path):
+    """The line a failed command ends with: its `error: ...` line, else its last line."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return "no output"
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return (errors or lines or ["no output"])[-1].removeprefix("error: ")
+
+
+def run_logged(cmd, cwd, out_path, on_line=None, env=None):
+    """Run cmd with its output in out_path, each line also to on_line as it comes (progress);
+    returns (exit code, peak RSS in MiB)."""
+    with open(out_path, "w") as f:
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, errors="replace", env=env)
+        for line in p.stdout:
+            f.write(line)
+            if on_line:
+                on_line(line.rstrip("\n"))
+        p.stdout.close()
+        _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def iteration_of(line):
+    """The iteration a train.py output line reports ('iter N/M: ...', 'iter N: ...'), or None."""
+    m = re.match(r"iter (\d+)\b", line)
+    return int(m.group(1)) if m else None
 
 
 def pyplot():

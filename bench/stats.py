@@ -53,3 +53,27 @@ def interval(xs):
         return mean, None
     sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     return mean, t_quantile(0.975, n - 1) * sd / math.sqrt(n)
+
+
+def paired(diffs):
+    """Mean of the per-seed differences, its 95% interval and the two-sided p-value of a paired
+    t-test (None where fewer than 2 pairs)."""
+    n = len(diffs)
+    mean = sum(diffs) / n if n else float("nan")
+    if n < 2:
+        return {"mean": mean, "ci95": None, "p": None, "pairs": n}
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    if se == 0:  # identical differences: exact when all 0 (the same computation), else no
+        # interval: n equal numbers do not make a difference certain (p = 0 would say so)
+        return {"mean": mean, "ci95": [0.0, 0.0] if mean == 0 else None,
+                "p": 1.0 if mean == 0 else None, "pairs": n}
+    q = t_quantile(0.975, n - 1)
+    p = 2 * t_cdf(-abs(mean / se), n - 1)
+    return {"mean": mean, "ci95": [mean - q * se, mean + q * se], "p": p, "pairs": n}
+
+
+def mean_std(xs):
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)

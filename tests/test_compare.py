@@ -3,7 +3,10 @@ tiny end-to-end compare in a scratch git repository (a copy of this tree, commit
 edited): --against=HEAD with a dirty working tree, 2 arms x 2 seeds with the real train.py and
 eval.py, results.json checked against the runs' own logs and scores, a patch that does not
 apply reported in one line while the others finish, and a second invocation that trains
-nothing."""
+nothing. Then fast unit tests (train.py and eval.py stubbed) that the lab reports only what it
+measured: runs keyed by everything that decides them, folders named by the arm, compare's own
+settings refused as flags and variant keys, no p = 0 from identical differences, progress while
+a run trains, one thread count for every run."""
 import importlib.util
 import json
 import math
@@ -110,7 +113,8 @@ def test_compare_against_head_with_a_dirty_tree(tmp_path):
         rec = records[name]
         assert rec["seeds"] == [1337, 1338]
         for k, run in enumerate(rec["runs"]):
-            rdir = os.path.join(out, "runs", f"arm{list(records).index(name)}_s{run['seed']}")
+            rdir = os.path.join(out, rec["runs_dir"].replace("SEED", str(run["seed"])))
+            assert run["threads"] == "1"  # the user's OMP_NUM_THREADS, for every run
             log = [json.loads(ln) for ln in open(os.path.join(rdir, "log.jsonl"))]
             score = [json.loads(ln) for ln in open(os.path.join(rdir, "eval.out"))
                      if ln.startswith("{")][-1]
@@ -180,3 +184,239 @@ def test_the_logged_patches_still_apply_to_this_tree(patch, tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), ROOT], capture_output=True,
                        text=True)
     assert r.returncode == 0 and math.isfinite(float(r.stdout)), r.stderr[-500:]
+
+
+# ----------------------------------------------------------------------------------------
+# the lab reports only what it measured (issue 45): keys, names, refusals, progress
+
+def fake_args(tmp_path, *argv):
+    """compare's parsed arguments for a scratch --out, with a config file of its own."""
+    config = tmp_path / "cfg.py"
+    if not config.exists():
+        config.write_text("n_layer = 1\n")
+    return compare.parse_args([str(config), f"--out={tmp_path / 'out'}", "--max_iters=4", *argv])
+
+
+def fake_arms(tmp_path, args, code="tree-aaaa"):
+    """plan_arms with the working tree's copy stubbed by a folder named like one (the keying and
+    naming read only the copy's name; no tree is copied)."""
+    folder = tmp_path / "out" / "code" / code
+    folder.mkdir(parents=True, exist_ok=True)
+    real = compare.worktree_code
+    compare.worktree_code = lambda out: str(folder)
+    try:
+        return compare.plan_arms(args)
+    finally:
+        compare.worktree_code = real
+
+
+class FakeTrainer:
+    """compare.run_logged for train.py and eval.py without running them: writes what they would
+    (a checkpoint, log.jsonl at max_iters, eval.py's JSON line) and counts the trainings."""
+    def __init__(self):
+        self.trained = 0
+
+    def __call__(self, cmd, cwd, out_path, on_line=None, env=None):
+        self.threads = getattr(self, "threads", []) + [(env or {}).get("OMP_NUM_THREADS")]
+        flags = dict(a[2:].split("=", 1) for a in cmd[2:] if a.startswith("--"))
+        if cmd[1].endswith("train.py"):
+            self.trained += 1
+            n = int(flags["max_iters"])
+            with open(os.path.join(flags["out_dir"], "ckpt.pt"), "w") as f:
+                f.write("x")
+            with open(os.path.join(flags["out_dir"], "log.jsonl"), "w") as f:
+                f.write(json.dumps({"iter": n, "tokens": 64 * n, "time_s": 1.0, "val_loss": 3.0})
+                        + "\n")
+            open(out_path, "w").write(f"iter {n}/{n}: loss 3.0\n")
+        else:
+            open(out_path, "w").write(json.dumps({"nats_per_token": 3.0, "bits_per_byte": 1.4,
+                                                  "tokens": 100}) + "\n")
+        return 0, 1.0
+
+
+def test_a_finished_run_is_retrained_when_anything_that_decides_it_changed(tmp_path, monkeypatch,
+                                                                          capsys):
+    trainer = FakeTrainer()
+    monkeypatch.setattr(compare, "run_logged", trainer)
+    monkeypatch.setattr(compare, "count_params", lambda d: 0)
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def once(args, arms, data_dir=str(data)):
+        run = compare.plan_runs(args, arms)[0]
+        before = trainer.trained
+        compare.train_and_score(args, run, data_dir)
+        return trainer.trained - before, capsys.readouterr()
+
+    args = fake_args(tmp_path)
+    arms = fake_arms(tmp_path, args)
+    assert once(args, arms)[0] == 1
+    assert once(args, arms)[0] == 0  # finished with the same everything: reused
+    # the config file edited in place: same path, other contents
+    (tmp_path / "cfg.py").write_text("n_layer = 2\n")
+    trained, said = once(args, arms)
+    assert trained == 1 and "config" in said.out + said.err
+    assert once(args, arms)[0] == 0
+    # other code (a new copy), another data folder, another flag: each retrains, and says so
+    for change, word in [(lambda: (args, fake_arms(tmp_path, args, "tree-bbbb"), str(data)), "code"),
+                         (lambda: (args, fake_arms(tmp_path, args, "tree-bbbb"),
+                                   str(tmp_path / "data2")), "data"),
+                         (lambda: (fake_args(tmp_path, "--dropout=0.1"),
+                                   fake_arms(tmp_path, args, "tree-bbbb"), str(tmp_path / "data2")),
+                          "flags")]:
+        a, arms2, d = change()
+        os.makedirs(d, exist_ok=True)
+        trained, said = once(a, arms2, d)
+        lines = [ln for ln in (said.out + said.err).splitlines() if word in ln]
+        assert trained == 1 and len(lines) == 1, (word, said)
+
+
+def test_data_identity_changes_with_the_data(tmp_path):
+    """The held-out folder (part of every run's key) is another folder when the dataset's files
+    change, not only its meta.json."""
+    from data import common
+    from test_eval import corpus_docs
+    src = str(tmp_path / "src")
+    common.prepare(src, "tiny", [("docs", "docs", lambda: [t for _, t in corpus_docs()])],
+                   "test", vocab_size=400, val_fraction=0.2, min_val_tokens=200, num_proc=1,
+                   log=lambda *a: None)
+    args = compare.parse_args([f"--data_dir={src}", "--dataset=tiny", f"--out={tmp_path / 'o'}",
+                               "--eval_tokens=100"])
+    first = compare.held_out_data(args)
+    assert compare.held_out_data(args) == first
+    # the same meta.json, a token of val.bin's slice changed
+    val = np.fromfile(os.path.join(src, "val.bin"), dtype=np.uint16)
+    val[5] = (val[5] + 1) % 400
+    val.tofile(os.path.join(src, "val.bin"))
+    assert compare.held_out_data(args) != first
+
+
+def test_flags_and_variants_cannot_override_what_compare_sets(tmp_path):
+    """Every key train_command puts on a run's command line (read from the command it builds: the
+    reference) is refused, in one line naming it, as an extra flag and as a variant key."""
+    args = fake_args(tmp_path)
+    arms = fake_arms(tmp_path, args)
+    cmd = compare.train_command(args, compare.plan_runs(args, arms)[0], "/data")
+    own = {a[2:].split("=", 1)[0] for a in cmd[3:]} - set(compare.DEFAULT_MODEL)
+    assert {"seed", "out_dir", "max_iters", "lr_decay_iters", "data_dir"} <= own
+    for key in sorted(own | {"init_from"}):
+        flag = f"--{key}=5"
+        try:  # compare's own option (--max_iters, --data_dir, ...) sets it for every arm alike
+            assert flag not in compare.parse_args([flag, f"--out={tmp_path / 'o'}"]).train_extra
+            checks = ([f"--variant={key}=5"], [f"--variant=n_layer=2 {key}=5"])
+        except compare.UserError:
+            checks = ([flag], [f"--variant={key}=5"], [f"--variant=n_layer=2 {key}=5"])
+        for argv in checks:
+            with pytest.raises(SystemExit) as e:
+                compare.main([str(tmp_path / "cfg.py"), f"--out={tmp_path / 'o'}", *argv])
+            msg = str(e.value)
+            assert msg.startswith("error:") and key in msg and "\n" not in msg, (argv, msg)
+    for key in ("batch_size", "block_size"):  # an unequal budget
+        with pytest.raises(SystemExit, match=f"error: .*{key}.*tokens"):
+            compare.main([f"--variant={key}=64", f"--out={tmp_path / 'o'}"])
+    for variant, word in [("", "empty"), ("  ", "empty"), ("n_layer=2 n_layer=3", "twice"),
+                          ("n_layer=2 --n_layer=2", "twice")]:
+        with pytest.raises(SystemExit) as e:
+            compare.main([f"--variant={variant}", f"--out={tmp_path / 'o'}"])
+        assert str(e.value).startswith("error:") and word in str(e.value), (variant, e.value)
+    assert not os.path.exists(tmp_path / "o")  # refused before anything is built
+
+
+def test_identical_differences_are_no_interval_not_certainty():
+    for diffs in ([-0.0145] * 2, [0.02] * 5):
+        r = compare.paired(diffs)
+        assert r["ci95"] is None and r["p"] is None and r["mean"] == diffs[0], r
+        assert "no interval" in compare.diff_cell(r)
+    # no difference at all stays an exact zero (the same code, the same seeds)
+    assert compare.paired([0.0, 0.0])["ci95"] == [0.0, 0.0]
+
+
+def test_out_naming_a_file_and_absurd_seeds_are_one_line(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("")
+    with pytest.raises(SystemExit) as e:
+        compare.main([f"--out={f}"])
+    assert str(e.value).startswith("error:") and "--out" in str(e.value)
+    for argv in (["--seeds=1000000000"], ["--seeds=600", "--variant=base"]):
+        with pytest.raises(compare.UserError, match="seeds"):
+            compare.parse_args(argv + [f"--out={tmp_path / 'o'}"])
+    compare.parse_args(["--seeds=20", "--variant=base", f"--out={tmp_path / 'o'}"])  # allowed
+
+
+def test_run_folders_are_named_by_what_the_arm_is(tmp_path):
+    def dirs(*variants):
+        args = fake_args(tmp_path, "--seeds=2", *(f"--variant={v}" for v in variants))
+        runs = compare.plan_runs(args, fake_arms(tmp_path, args))
+        return {(r["arm"]["name"], r["seed"]): r["dir"] for r in runs}
+    a = dirs("n_layer=2", "pos_encoding=learned", "base")
+    b = dirs("base", "pos_encoding=learned")  # another list, other positions
+    shared = set(a) & set(b)
+    assert len(shared) == 6 and all(a[k] == b[k] for k in shared)
+    assert len(set(a.values())) == len(a)  # distinct runs, distinct folders
+    assert os.path.basename(a[("pos_encoding=learned", 1337)]).startswith("pos_encoding-learned")
+    # other values are another arm; the same keys in another order are the same arm
+    assert dirs("pos_encoding=learned n_layer=2")[("pos_encoding=learned n_layer=2", 1337)] \
+        != dirs("pos_encoding=learned n_layer=3")[("pos_encoding=learned n_layer=3", 1337)]
+    with pytest.raises(compare.UserError, match="twice"):
+        dirs("n_layer=2 dropout=0.1", "dropout=0.1 --n_layer=2")
+
+
+def test_progress_moves_while_a_run_trains(tmp_path):
+    """run_logged hands each line the run prints to on_line while it runs, not at its end: a
+    child that prints a line, then waits, is seen before it exits."""
+    flag = tmp_path / "seen"
+    code = ("import sys, time, os; print('iter 10/40: loss 3', flush=True); "
+            f"t = time.time()\nwhile not os.path.exists({str(flag)!r}) and time.time() - t < 20: "
+            "time.sleep(0.05)")
+    seen = []
+
+    def on_line(line):
+        seen.append(line)
+        flag.write_text("")  # let the child finish only once its line was seen
+    t0 = __import__("time").time()
+    rc, _ = compare.run_logged([sys.executable, "-c", code], str(tmp_path),
+                               str(tmp_path / "out.txt"), on_line)
+    assert rc == 0 and seen == ["iter 10/40: loss 3"]
+    assert __import__("time").time() - t0 < 15  # it ended because its line was seen
+    assert compare.iteration_of("iter 10/40: loss 3, eta 0:00:10") == 10
+    assert compare.iteration_of("iter 40: train 3.1, val 3.2") == 40
+    assert compare.iteration_of("MFU: n/a") is None
+
+
+def test_progress_lines_off_a_terminal(capsys):
+    """Where stderr is no terminal: a plain line per run as it starts and then (here at every
+    call), with an estimate once an iteration has run, counting over all the runs."""
+    import re
+    p = compare.bench_runs.RunsProgress(2, 10, every=0)
+    p.start(0, "base seed 1")
+    p.at(0)
+    p.at(5)
+    p.end(trained=True)
+    p.start(1, "x=1 seed 1")
+    p.at(0)
+    p.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines
+    for ln, (k, it) in zip(lines, [(1, 0), (1, 5), (2, 0)]):
+        assert re.fullmatch(rf"run {k}/2: .* seed 1: iteration {it}/10"
+                            r"(, eta \d+:\d\d:\d\d for all runs)?", ln), ln
+    assert "eta" not in lines[0] and "eta" in lines[1] and "eta" in lines[2]
+
+
+def test_every_run_and_its_scoring_get_one_thread_count(tmp_path, monkeypatch):
+    """One OMP_NUM_THREADS for all of a compare's commands: the user's when set, else chosen
+    once (fewer than the cores when the machine is busy), so that arms run alike."""
+    trainer = FakeTrainer()
+    monkeypatch.setattr(compare, "run_logged", trainer)
+    monkeypatch.setattr(compare, "count_params", lambda d: 0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    args = fake_args(tmp_path, "--seeds=2", "--variant=n_layer=2")
+    for run in compare.plan_runs(args, fake_arms(tmp_path, args)):
+        compare.train_and_score(args, run, str(tmp_path))
+    assert trainer.threads == ["3"] * 8  # 4 runs, each trained and scored
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    from lib import device
+    cores = len(os.sched_getaffinity(0))
+    for busy, want in ((1, max(1, cores - 1)), (0, cores), (cores + 3, 1), (None, cores)):
+        monkeypatch.setattr(device, "busy_cores", lambda: busy)
+        assert fake_args(tmp_path).threads == str(want), busy
