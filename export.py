@@ -4,13 +4,14 @@ Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
-    python export.py --out_dir=out-small --gguf=model.gguf --gguf_type=q8_0
+    python export.py --out_dir=out-small --gguf --gguf_type=q8_0   # -> out-small/model-q8_0.gguf
 
 Either export is written beside its place, read back into lib/neox.py's float64 GPT-NeoX and
 compared with our model, loaded back by transformers / llama.cpp (--check=False skips this
 loading), and only then renamed into place; what neither format maps is refused in one line
 before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
 """
+import contextlib
 import dataclasses
 import fnmatch
 import json
@@ -35,7 +36,8 @@ hf_dir = ""             # "" is out_dir/hf
 dtype = "float32"       # of the exported weights: float32 | bfloat16 | float16 (HF folder)
 tokenizer = ""          # "": the path the checkpoint records; its sha256 must match either way
 check = True            # load the export back (transformers / llama.cpp) and compare with our model
-gguf = ""               # a path: write one GGUF file there instead of the HF folder
+gguf = ""               # write one GGUF file instead of the HF folder: a path, a bare name
+                        # (goes in out_dir) or --gguf alone (out_dir/model-<gguf_type>.gguf)
 gguf_type = "f16"       # of the GGUF's 2-D weights: f32 | f16 | q8_0 (norms and biases stay f32)
 # -----------------------------------------------------------------------------------------
 HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
@@ -58,6 +60,10 @@ MAPPED_FIELDS = {
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
     "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
 }
+NOT_MAPPED = {  # why a value is refused, for the refusal
+    "nope_every": "GPT-NeoX rotates positions in every layer",
+    "window": "GPT-NeoX attends to the whole context in every layer",
+    "length_temperature": "GPT-NeoX does not scale queries past the trained context"}
 
 
 def config_refusal(c, kind):
@@ -75,7 +81,11 @@ def config_refusal(c, kind):
         if allowed is None:
             return f"config field {name}={value!r} is not one the {kind} export maps"
         if isinstance(allowed, tuple) and value not in allowed:
-            return f"config field {name}={value!r}: the {kind} export maps only {allowed}"
+            words = " or ".join(f"{name}={v!r}" for v in allowed)
+            return (f"{name}={value!r}: the {kind} export maps only {words}"
+                    f"{f', since {NOT_MAPPED[name]}' if name in NOT_MAPPED else ''}; sample.py "
+                    f"and eval.py run this model as it is, and a run trained with {words} "
+                    f"exports")
     missing = [n for n, allowed in MAPPED_FIELDS.items() if allowed != UNUSED and n not in names]
     return f"the config has no field {missing[0]}, which the {kind} export reads" if missing else None
 
@@ -132,13 +142,29 @@ def refusal(model, kind):
 
 # --- the check ---------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def quiet(transformers):
+    """transformers' warnings and progress bars (its `Loading weights` bar) off while the check
+    loads the folder, and as they were after it: our output is ours, the settings the user's."""
+    log = transformers.utils.logging
+    verbosity, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()
+    log.disable_progress_bar()
+    try:
+        yield
+    finally:
+        log.set_verbosity(verbosity)
+        if bars:
+            log.enable_progress_bar()
+
+
 @torch.no_grad()
 def check_export(path, model, sp, text):
     """The folder in transformers against ours: (max |logit diff|, texts differing, texts)."""
     transformers = need("transformers")
-    transformers.logging.set_verbosity_error()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path)
+    with quiet(transformers):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(path)
     c = model.config
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
@@ -316,7 +342,11 @@ def export_gguf(cfg, model, sp, proto, text):
 def parse_args(argv):
     """The settings and the packages they need, checked before anything loads."""
     names = ("out_dir", "hf_dir", "dtype", "tokenizer", "check", "gguf", "gguf_type")
-    cfg = configure({k: globals()[k] for k in names}, argv)
+    cfg = configure({k: globals()[k] for k in names}, [a for a in argv if a != "--gguf"])
+    if "--gguf" in argv and not cfg["gguf"]:
+        cfg["gguf"] = f"model-{cfg['gguf_type']}.gguf"
+    if cfg["gguf"] and not os.path.dirname(cfg["gguf"]):  # a bare name: the run's, not the cwd's
+        cfg["gguf"] = os.path.join(cfg["out_dir"], cfg["gguf"])
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
     if cfg["gguf_type"] not in ("f32", "f16", "q8_0"):

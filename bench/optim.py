@@ -27,6 +27,7 @@ import torch
 
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
+from data.shared import tqdm  # noqa: E402
 from lib.common import UserError  # noqa: E402
 from lib.config import configure  # noqa: E402
 from lib.device import cpu_has_bf16  # noqa: E402
@@ -131,6 +132,9 @@ def step_cost(shape):
     x, y = torch.randint(0, 4096, (2, B, T))
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
     times = {o: [] for o in models}
+    # minutes at config/small.py's shape, where bf16 is emulated: a bar, or a line in a log
+    bar = tqdm(total=3 * (args["time_steps"] + 2), desc=f"timing steps (block {T}, batch {B})",
+               unit="step")
     for i in range(args["time_steps"] + 2):
         for o in ARMS[i % 3:] + ARMS[:i % 3]:
             t0 = time.perf_counter()
@@ -141,6 +145,8 @@ def step_cost(shape):
             opts[o].zero_grad(set_to_none=True)
             if i >= 2:  # the first two steps allocate optimizer state
                 times[o].append(time.perf_counter() - t0)
+            bar.update()
+    bar.close()
     return {o: 1e3 * statistics.median(t) for o, t in times.items()}
 
 

@@ -44,7 +44,7 @@ def given_tokenizer(path):
         info = read(ckpt, mmap=True).get("tokenizer")  # one line if not a checkpoint
         try:  # the run folder's copy, else where an older run had it, by sha256
             path = find_tokenizer(os.path.dirname(ckpt), info)
-        except UserError as e:  # moved or retrained since, or a dataset without one
+        except UserError as e:  # moved, another tokenizer, or a dataset without one
             raise UserError(f"--tokenizer {path}: {e}") from None
     with open(path, "rb") as f:
         model_bytes = f.read()

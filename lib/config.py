@@ -49,6 +49,11 @@ def parse_value(key, text, default):
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
+        if isinstance(default, float):
+            try:  # inf, nan: floats, which coerce refuses as not finite (no key takes one)
+                return float(text)
+            except ValueError:
+                pass
         if default is None:
             return text
         kind = type(default).__name__  # int, float or bool

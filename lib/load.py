@@ -84,9 +84,14 @@ def find_tokenizer(run_dir, info, override=""):
                         f"{mismatched[0]} is another tokenizer; pass the run's with "
                         f"--tokenizer=PATH")
     if mismatched:
+        # Only the file in the dataset folder the run read can have been retrained since; a
+        # file given, the run folder's copy or data/<dataset> is another tokenizer.
+        why = (f"the dataset in {os.path.dirname(recorded)} was prepared again since the run "
+               f"(its tokenizer retrained, or another corpus)" if mismatched[0] == recorded
+               else "it is another tokenizer than the run's (another dataset's?)")
         raise UserError(f"tokenizer {mismatched[0]} does not match the checkpoint (sha256 "
-                        f"differs from {info['sha256'][:12]}...); it was retrained since, so "
-                        f"rebuild that dataset or pass the original with --tokenizer=PATH")
+                        f"differs from {info['sha256'][:12]}...): {why}; pass the run's own "
+                        f"tokenizer.model with --tokenizer=PATH")
     raise UserError(f"tokenizer not found at {' or '.join(p for p in candidates if p)}; prepare "
                     f"the run's dataset {run_tokenizer.folder_read(info)} again or pass "
                     f"--tokenizer=PATH")

@@ -2,6 +2,7 @@
 against the defaults, and one-line errors that name the key."""
 import hashlib
 import os
+import re
 import sys
 
 import pytest
@@ -89,10 +90,13 @@ def test_a_sequence_for_a_known_key_in_a_config_file_is_an_error(tmp_path, line)
 
 
 @pytest.mark.parametrize("argv", [["--learning_rate=1e999"], ["--learning_rate=-1e999"],
-                                  [f"--learning_rate={10 ** 400}"], ["FILE:learning_rate = float('nan')"]])
+                                  [f"--learning_rate={10 ** 400}"], ["FILE:learning_rate = float('nan')"],
+                                  ["--learning_rate=inf"], ["--learning_rate=-inf"],
+                                  ["--learning_rate=nan"], ["--learning_rate=Infinity"]])
 def test_a_float_that_is_not_finite_is_one_line_naming_the_key(tmp_path, argv):
     """1e999 reads as inf: --learning_rate=1e999 trained one step and logged "lr": Infinity,
-    --rope_base=1e999 exported invalid JSON. Every float key refuses inf and nan in one place."""
+    --rope_base=1e999 exported invalid JSON. Every float key refuses inf and nan in one place,
+    typed as names too (`--learning_rate=inf` is a float, not an unreadable value)."""
     f = tmp_path / "c.py"
     if argv[0].startswith("FILE:"):
         f.write_text(argv[0][5:] + "\n")
@@ -204,3 +208,35 @@ def test_gpu_peak_depends_on_the_dtype_that_runs():
     for key in GPU_PEAK_FLOPS:  # every card: fp32 below its 16-bit tensor-core rate
         name = " ".join(key)
         assert gpu_peak_flops(name, "float32") < gpu_peak_flops(name, "float16")
+
+
+# --- what the README says about running things ---------------------------------------------
+
+def readme():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "README.md")) as f:
+        return f.read()
+
+
+def test_the_readme_says_whose_the_omp_num_threads_warning_is_and_how_to_silence_it():
+    """Issue 45: torchrun warns about OMP_NUM_THREADS on every launch, before train.py runs
+    (so train.py cannot set it). The README quotes torchrun's own warning and the way to
+    silence it."""
+    import inspect
+    import torch.distributed.run as torchrun
+    text = readme()
+    quoted = re.search(r'"(Setting OMP_NUM_THREADS[^".]*?) \.\.\.', text)
+    assert quoted and quoted.group(1) in inspect.getsource(torchrun), quoted
+    assert "`OMP_NUM_THREADS=1 torchrun" in text
+
+
+def test_the_readme_names_the_tests_that_skip_and_why():
+    """Issue 45: the README said "so every test runs" while some always skip. Each kind of
+    test that skips on a CPU machine with requirements-test.txt installed is named with
+    its reason: llama.cpp not installed, a --model option not given, no CUDA device, a tmpfs
+    that cannot be mounted or root writing to a read-only folder."""
+    text = readme()
+    para = text[text.index("Run the tests"):text.index("pip install -r requirements-test.txt")]
+    for words in ("llama-cpp-python", "tests/test_contract.py", "--model", "CUDA", "tmpfs",
+                  "read-only"):
+        assert words in para, words

@@ -1071,6 +1071,42 @@ def test_tokenizer_option_takes_a_runs_and_the_run_resumes_on_the_new_corpus(pre
     assert not (tmp_path / "b2").exists()
 
 
+def test_tokenizer_option_tells_another_tokenizer_from_one_retrained(prepared, tmp_path,
+                                                                     monkeypatch):
+    """Issue 45: --tokenizer=RUN whose folder holds another dataset's tokenizer was diagnosed
+    "it was retrained since, so rebuild that dataset". Only the file in the folder the run
+    read can have been prepared again since; any other file is another tokenizer. One line
+    each, the way out named, nothing written."""
+    import torch  # only here: the rest of data/ runs without it
+    from lib import run_tokenizer
+    monkeypatch.setattr(run_tokenizer, "REPO", str(tmp_path))  # no data/<dataset> there
+    root, texts, _ = prepared
+    ours = root / "out" / "tokenizer.model"
+    lines = [line for t in make_corpus(tmp_path / "b", seed=1).values() for line in
+             t.split("\n") if line.strip()]
+    other = common.train_tokenizer(lines, 400, "unigram")[0]
+
+    def refusal(run, recorded):
+        (tmp_path / run).mkdir(exist_ok=True)
+        info = dict(sha256=run_tokenizer.file_sha256(ours), path=str(recorded), dataset="x")
+        torch.save(dict(model_args={}, model={}, tokenizer=info), tmp_path / run / "ckpt.pt")
+        with pytest.raises(SystemExit) as e:
+            prepare_with(root / "mycorpus", tmp_path / f"{run}-out", tmp_path / run)
+        assert not (tmp_path / f"{run}-out").exists()
+        msg = str(e.value.code)
+        assert msg.startswith("error: ") and "\n" not in msg and "--tokenizer=PATH" in msg
+        return msg
+
+    (tmp_path / "copy").mkdir()  # the run folder's copy is another dataset's tokenizer
+    (tmp_path / "copy" / "tokenizer.model").write_bytes(other)
+    msg = refusal("copy", "")
+    assert "another tokenizer" in msg and "retrained" not in msg, msg
+    (tmp_path / "a").mkdir()  # the dataset folder the run read, prepared again since
+    (tmp_path / "a" / "tokenizer.model").write_bytes(other)
+    msg = refusal("old", tmp_path / "a" / "tokenizer.model")
+    assert f"{tmp_path / 'a'} was prepared again" in msg and "another tokenizer" not in msg, msg
+
+
 def not_a_tokenizer(d, kind):
     """A --tokenizer value prepare cannot use, made in the folder d."""
     ids = {"no newline": {}, "other ids": dict(bos_id=-1, eos_id=1, user_defined_symbols="\n")}
@@ -1153,3 +1189,22 @@ def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
     assert "round-trip this corpus" in str(e.value.code)
     assert "changes '\ufb01' to 'fi'" in str(e.value.code)
     assert not (tmp_path / "o").exists()
+
+
+# ----------------------------------------------------------------------------- progress
+
+def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
+    """Issue 45: bench/optim.py timed its steps for minutes in silence. data/shared.py's tqdm
+    (eval.py's too) prints, under a pipe or a file, plain lines with the time left."""
+    monkeypatch.setattr(shared, "LINE_EVERY", 0.0, raising=False)  # a line at every step
+    monkeypatch.setattr(sys, "argv", ["optim.py", "--time_steps=1"])
+    spec = importlib.util.spec_from_file_location("bench_optim",
+                                                  os.path.join(REPO, "bench", "optim.py"))
+    optim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(optim)
+    tiny = dict(n_layer=1, n_head=2, n_embd=32, block_size=8, batch_size=2)
+    assert set(optim.step_cost(tiny)) == set(optim.ARMS)
+    errtext = capsys.readouterr().err
+    lines = [line for line in errtext.splitlines() if line.startswith("timing steps")]
+    assert len(lines) == 9 and "\r" not in errtext, errtext  # (1 + 2 warm-up) x 3 arms
+    assert "9/9 step (100%)" in lines[-1] and "left" in lines[0], lines

@@ -174,6 +174,21 @@ def test_split_val_scores_the_whole_val_bin(run, capsys):
     assert r["nats_per_token"] == pytest.approx(nats / len(val), rel=1e-5)
 
 
+def test_scoring_shows_progress_in_a_log_and_json_stays_pure(run, capsys, monkeypatch):
+    """Issue 45: --split scored a split in silence (about 54 minutes on a real one). Under a
+    pipe or a file, plain lines on stderr with how far it is and the time left (no carriage
+    returns); with --json, stdout holds only the JSON line."""
+    from data import shared
+    monkeypatch.setattr(shared, "LINE_EVERY", 0.0, raising=False)  # a line at every batch
+    capsys.readouterr()
+    evalpy.main([f"--out_dir={run['out']}", "--split=val", "--batch_size=1", "--json"])
+    out, errtext = capsys.readouterr()
+    assert [json.loads(line)["tokens"] > 0 for line in out.splitlines()] == [True]
+    lines = [line for line in errtext.splitlines() if line.startswith("eval: ")]
+    assert len(lines) >= 2 and "\r" not in errtext, errtext
+    assert all(re.search(r"\d+/\d+ .*%\), about [\d:]+ left", line) for line in lines), lines
+
+
 def test_bfloat16_is_close_to_float32(run, capsys):
     a = (f"--out_dir={run['out']}", f"--input={run['root'] / 'long.txt'}")
     fp32 = json_eval(capsys, *a, "--dtype=float32")

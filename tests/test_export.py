@@ -192,6 +192,24 @@ def test_builtin_check_reports_a_match(run, capsys, tmp_path, dtype):
     assert diff < 1e-4 and n.split("/")[0] == n.split("/")[1] and int(n.split("/")[1]) > 10
 
 
+def test_the_check_keeps_transformers_quiet_and_its_settings_as_they_were(run, capsys,
+                                                                           tmp_path):
+    """Issue 45: transformers' `Loading weights` bar ran into export's output. With
+    transformers set as it is by default (warnings on, bars on), the check's load prints none
+    of it, and the settings are the user's again afterwards."""
+    log = transformers.utils.logging
+    log.set_verbosity_warning()
+    log.enable_progress_bar()
+    try:
+        capsys.readouterr()
+        export.main([f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'hf'}"])
+        errtext = capsys.readouterr().err
+        assert "check: transformers loads it" in errtext and "Loading" not in errtext, errtext
+        assert log.get_verbosity() == log.WARNING and log.is_progress_bar_enabled()
+    finally:
+        log.set_verbosity_error()
+
+
 # --- the tokenizer ----------------------------------------------------------------------------
 
 def tricky_texts(seed=0, n_random=1500):
@@ -392,6 +410,20 @@ def narrow_mlp(model):  # another MLP width: the shapes the exports write would 
 def untied(model):
     model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone() + 1)
     return model
+
+
+@pytest.mark.parametrize("change", [{"nope_every": 2}, {"window": 4, "global_every": 2},
+                                    {"length_temperature": 0.1}])
+def test_a_value_refused_is_named_with_the_values_mapped_and_the_way_out(change):
+    """Issue 45: "the hf export maps only (0,)" printed a raw tuple. The refusal names the
+    value given, the value mapped as a setting (not a tuple) and what a user can do."""
+    key, value = next(iter(change.items()))
+    model = RoFormer(RoFormerConfig(**TINY, **change))
+    for kind in ("hf", "gguf"):
+        why = export.refusal(model, kind)
+        mapped = export.MAPPED_FIELDS[key][0]
+        assert f"{key}={value!r}" in why and f"{key}={mapped!r}" in why, why
+        assert "(" not in why and "sample.py" in why and "trained with" in why, why
 
 
 def activation(act):

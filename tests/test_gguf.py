@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -587,6 +588,28 @@ def test_llama_cpp_server_round_trip(run, tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_a_file_named_without_a_folder_goes_into_the_run_folder(run, tmp_path, monkeypatch):
+    """Issue 45: `--gguf=model.gguf` wrote into the current folder (the repo root, where
+    `git status` showed it). `--gguf` alone and a bare name write into out_dir; a path with a
+    folder in it is written where it says; .gitignore ignores GGUF files."""
+    import fnmatch
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("ckpt.pt", "tokenizer.model"):  # all a run folder needs to be exported
+        shutil.copy(os.path.join(run["out"], name), out / name)
+    monkeypatch.chdir(tmp_path)
+    for flags, where in ((["--gguf"], out / "model-f16.gguf"),
+                         (["--gguf", "--gguf_type=q8_0"], out / "model-q8_0.gguf"),
+                         (["--gguf=mine.gguf"], out / "mine.gguf"),
+                         ([f"--gguf={os.path.join('.', 'here.gguf')}"], tmp_path / "here.gguf")):
+        export.main([f"--out_dir={out}", *flags, "--check=False"])
+        assert gguf.GGUFReader(str(where)).fields, flags
+    assert sorted(os.listdir(tmp_path)) == ["here.gguf", "run"]
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        ignored = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert any(fnmatch.fnmatch("model-f16.gguf", pattern) for pattern in ignored), ignored
 
 
 def test_without_llama_cpp_the_check_is_a_note(run, capsys, tmp_path, monkeypatch):
