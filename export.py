@@ -162,15 +162,16 @@ def quiet(transformers):
 def check_export(path, model, sp, text):
     """The folder in transformers against ours: (max |logit diff|, texts differing, texts)."""
     transformers = need("transformers")
-    with quiet(transformers):
+    with quiet(transformers):  # also over the tokenizer's calls: the whole text is one of
+        # them, longer than the model's context, which transformers would warn about
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = transformers.AutoTokenizer.from_pretrained(path)
-    c = model.config
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
-    diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
-    texts = text.split("\n") + [text]
-    bad = sum(tok(t).input_ids != sp.encode(t) for t in texts)  # (and no BOS is added)
+        c = model.config
+        gen = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, c.vocab_size, (2, c.block_size), generator=gen)
+        diff = (hf(idx).logits - model(idx)[0]).abs().max().item()
+        texts = text.split("\n") + [text]
+        bad = sum(tok(t).input_ids != sp.encode(t) for t in texts)  # (and no BOS is added)
     return diff, bad, len(texts)
 
 

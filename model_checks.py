@@ -87,7 +87,7 @@ def check_positions(cfg):
     # designs that change nothing: trained, they are the model without them under another name
     for wrong, why in [
         (cfg.nope_every > cfg.n_layer, f"nope_every={cfg.nope_every} changes nothing: a "
-         f"{cfg.n_layer}-layer model has no {cfg.nope_every}-th layer, so every layer rotates "
+         f"{cfg.n_layer}-layer model has no layer {cfg.nope_every}, so every layer rotates "
          f"(use 1..{cfg.n_layer}, or 0)"),
         (cfg.window >= cfg.context_window, f"window={cfg.window} changes nothing: every layer "
          f"already sees the whole context window of {cfg.context_window} positions (use a "

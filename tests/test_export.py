@@ -7,7 +7,9 @@ one computed from the exported model's logits and tokenizer alone.
 import copy
 import dataclasses
 import errno
+import io
 import json
+import logging
 import math
 import os
 import random
@@ -192,19 +194,31 @@ def test_builtin_check_reports_a_match(run, capsys, tmp_path, dtype):
     assert diff < 1e-4 and n.split("/")[0] == n.split("/")[1] and int(n.split("/")[1]) > 10
 
 
-def test_the_check_keeps_transformers_quiet_and_its_settings_as_they_were(run, capsys,
+def test_the_check_keeps_transformers_quiet_and_its_settings_as_they_were(run, capfd,
                                                                            tmp_path):
     """Issue 45: transformers' `Loading weights` bar ran into export's output. With
     transformers set as it is by default (warnings on, bars on), the check's load prints none
-    of it, and the settings are the user's again afterwards."""
+    of it (nor its warning that the check's whole text is longer than the model's context), and
+    the settings are the user's again afterwards. capfd: transformers' log handler holds the
+    stderr it found at import, which capsys would not see."""
     log = transformers.utils.logging
     log.set_verbosity_warning()
     log.enable_progress_bar()
     try:
-        capsys.readouterr()
+        capfd.readouterr()
         export.main([f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'hf'}"])
-        errtext = capsys.readouterr().err
+        errtext = capfd.readouterr().err
         assert "check: transformers loads it" in errtext and "Loading" not in errtext, errtext
+        # a text longer than the model's context, as a run's validation text is: transformers
+        # would warn about it through its logger (held here, whatever stream it writes to)
+        heard = io.StringIO()
+        handler = logging.StreamHandler(heard)
+        logging.getLogger("transformers").addHandler(handler)
+        try:
+            export.check_export(run["hf_dir"], run["model"], run["sp"], "def f(x):\n" * 3000)
+        finally:
+            logging.getLogger("transformers").removeHandler(handler)
+        assert heard.getvalue() == "", heard.getvalue()
         assert log.get_verbosity() == log.WARNING and log.is_progress_bar_enabled()
     finally:
         log.set_verbosity_error()

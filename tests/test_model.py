@@ -831,7 +831,7 @@ def test_a_rotary_fraction_refusal_names_the_fraction_given(value, channels):
 
 
 @pytest.mark.parametrize("kw,said", [
-    (dict(nope_every=5), "nope_every=5 changes nothing: a 2-layer model has no 5-th layer"),
+    (dict(nope_every=5), "nope_every=5 changes nothing: a 2-layer model has no layer 5"),
     (dict(nope_every=3), "nope_every=3 changes nothing"),
     (dict(window=16), "window=16 changes nothing: every layer already sees the whole context "
      "window of 16"),
