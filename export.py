@@ -46,7 +46,9 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "t
 
 # The allow-list of both exports: every RoFormerConfig field with the values they map (ANY:
 # every value; UNUSED: read only by models refused here). A field model.py gains later is not
-# listed, so a model that has one is refused until the exports learn to map it.
+# listed: at its default value it is today's model (model.py's rule for a new option), so it
+# exports, and the float64 reference checks every file against the model all the same; at any
+# other value the model is refused until the exports learn to map it.
 ANY, UNUSED = "any", "unused"
 MAPPED_FIELDS = {
     "vocab_size": ANY, "block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
@@ -75,11 +77,17 @@ def config_refusal(c, kind):
         return (f"pos_encoding={c.pos_encoding!r}: GPT-NeoX knows positions only through RoPE, "
                 f"so only pos_encoding='rope' exports (learned positions are not exported as "
                 f"GPT-2 either)")
-    names = [f.name for f in dataclasses.fields(c)] if dataclasses.is_dataclass(c) else list(vars(c))
+    fields = dataclasses.fields(c) if dataclasses.is_dataclass(c) else []
+    names = [f.name for f in fields] or list(vars(c))
+    defaults = {f.name: f.default for f in fields}
     for name in names:
         value, allowed = getattr(c, name), MAPPED_FIELDS.get(name)
+        if allowed is None and name in defaults and value == defaults[name]:
+            continue  # a new option left at its default: today's model
         if allowed is None:
-            return f"config field {name}={value!r} is not one the {kind} export maps"
+            return (f"config field {name}={value!r} is not one the {kind} export maps (at its "
+                    f"default, {defaults[name]!r}, it would export)" if name in defaults else
+                    f"config field {name}={value!r} is not one the {kind} export maps")
         if isinstance(allowed, tuple) and value not in allowed:
             words = " or ".join(f"{name}={v!r}" for v in allowed)
             return (f"{name}={value!r}: the {kind} export maps only {words}"

@@ -362,6 +362,19 @@ def test_a_wrongly_allow_listed_change_is_refused_without_transformers(run, tmp_
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["ckpt.pt"]
 
 
+def test_a_new_option_at_its_default_exports_and_at_another_value_is_refused():
+    """Issue 47: a field model.py gains later (here `mlp`, made on the fly) needed a line in
+    export.py even at its default, or both exports refused every model. At its default it is
+    today's model and maps; at another value it is refused by name, saying the default maps."""
+    New = dataclasses.make_dataclass("New", [("mlp", str, "gelu")], bases=(RoFormerConfig,))
+    assert "mlp" not in export.MAPPED_FIELDS
+    for kind in ("hf", "gguf"):
+        assert export.config_refusal(New(**TINY), kind) is None
+        assert export.config_refusal(RoFormerConfig(**TINY), kind) is None
+        why = export.config_refusal(New(**TINY, mlp="swiglu"), kind)
+        assert why and why.startswith("config field mlp='swiglu'") and "'gelu'" in why, why
+
+
 def test_any_other_position_encoding_is_refused():
     """Checked by value: encodings model.py may gain later (alibi, t5, ...) are refused too."""
     model = RoFormer(RoFormerConfig(**TINY))
@@ -396,9 +409,10 @@ def mapped_refused(kind, why):
 TINY = dict(vocab_size=50, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
 
-def with_field(model, name, value):
-    """The model with a config that has one field more, as a researcher's option would add."""
-    Extended = dataclasses.make_dataclass("Extended", [(name, type(value), value)],
+def with_field(model, name, value, default):
+    """The model with a config that has one field more, as a researcher's option would add
+    (its default today's model), set to `value`."""
+    Extended = dataclasses.make_dataclass("Extended", [(name, type(value), default)],
                                           bases=(RoFormerConfig,))
     # the value given, also where the field already exists (a researcher added it for real)
     model.config = Extended(**{**dataclasses.asdict(model.config), name: value})
@@ -453,9 +467,9 @@ def no_bias_field(model):  # a config that lost a field the exports read
 
 
 @pytest.mark.parametrize("change,named", [
-    (lambda m: with_field(m, "mlp", "swiglu"), "mlp='swiglu'"),
-    (lambda m: with_field(m, "qk_norm", True), "qk_norm=True"),
-    (lambda m: with_field(m, "rotary_pct", 0.5), "rotary_pct=0.5"),
+    (lambda m: with_field(m, "mlp", "swiglu", "gelu"), "mlp='swiglu'"),
+    (lambda m: with_field(m, "qk_norm", True, False), "qk_norm=True"),
+    (lambda m: with_field(m, "rotary_pct", 0.5, 1.0), "rotary_pct=0.5"),
     (qk_norm, "blocks.0.attn.q_norm.weight"),
     (swiglu, "blocks.1.mlp.c_gate.weight"),
     (narrow_mlp, "blocks.0.mlp.c_fc.weight has shape [32, 16]"),
