@@ -30,11 +30,11 @@ from data.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.shared import tqdm
 from data.sources import file_sources, find_files
-from lib.common import UserError, cli
-from lib.config import configure
-from lib.device import device_memory, pick_device
-from lib.load import dataset_dir, describe, load_run
-from lib.run_tokenizer import folder_read
+from harness.common import UserError, cli
+from harness.config import configure
+from harness.device import device_memory, pick_device
+from harness.load import dataset_dir, describe, load_run
+from harness.run_tokenizer import folder_read
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"

@@ -1,12 +1,12 @@
 """
 Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code) or, with
---gguf, as one GGUF file for llama.cpp, ollama and LM Studio (lib/gguf.py).
+--gguf, as one GGUF file for llama.cpp, ollama and LM Studio (formats/gguf.py).
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
     python export.py --out_dir=out-small --gguf --gguf_type=q8_0   # -> out-small/model-q8_0.gguf
 
-Either export is written beside its place, read back into lib/neox.py's float64 GPT-NeoX and
+Either export is written beside its place, read back into formats/neox.py's float64 GPT-NeoX and
 compared with our model, loaded back by transformers / llama.cpp (--check=False skips this
 loading), and only then renamed into place; what neither format maps is refused in one line
 before anything is written (refusal). The mapping and the checks: docs/EXPORT.md.
@@ -22,13 +22,13 @@ import torch
 import torch.nn as nn
 
 from data.dataset import open_split
-from lib import hf as hf_files, neox
-from lib.common import UserError, cli
-from lib.config import configure
-from lib.files import atomic_write
-from lib.hf import (hf_tokenizer, need, neox_config, neox_weights,  # noqa: F401 (export.*)
+from formats import hf as hf_files, neox
+from harness.common import UserError, cli
+from harness.config import configure
+from harness.files import atomic_write
+from formats.hf import (hf_tokenizer, need, neox_config, neox_weights,  # noqa: F401 (export.*)
                     sentencepiece_proto, tokenizer_config)
-from lib.load import dataset_dir, load_run
+from harness.load import dataset_dir, load_run
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -185,8 +185,8 @@ def check_export(path, model, sp, text):
 
 @torch.no_grad()
 def reference_check(path, reference_logits, model, what):
-    """The written file computed by lib/neox.py (from what it holds alone) against `model`
-    (ours with the file's weights), on lib/neox.py's probe: a reason they differ, or None."""
+    """The written file computed by formats/neox.py (from what it holds alone) against `model`
+    (ours with the file's weights), on formats/neox.py's probe: a reason they differ, or None."""
     ids = neox.probe(model.config.vocab_size, model.config.context_window)
     return neox.disagreement(reference_logits(path, ids), model(ids[None])[0][0], what)
 
@@ -222,7 +222,7 @@ def check_replaceable(path):
 
 def write_checked(path, write, check=None):
     """write(tmp) beside `path`, check(tmp) -> a reason it is wrong or None, then the rename
-    (lib/common.atomic_write): a failure anywhere leaves the previous export as it was."""
+    (harness/common.atomic_write): a failure anywhere leaves the previous export as it was."""
     try:
         problem = atomic_write(path, write, check)
     except (OSError, ValueError) as e:
@@ -319,7 +319,7 @@ def run_file(path):
 
 def export_gguf(cfg, model, sp, proto, text):
     """--gguf: written beside its place, synced, read back and checked (module docstring)."""
-    from lib import gguf  # only here: it imports the optional gguf package
+    from formats import gguf  # only here: it imports the optional gguf package
     path, kind = cfg["gguf"], cfg["gguf_type"]
     name = os.path.basename(os.path.abspath(cfg["out_dir"]))
     metadata = gguf.gguf_metadata(model.config, sp, proto, kind, name)

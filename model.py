@@ -85,7 +85,7 @@ def init_generator(seed, name, device="cpu"):
 
 @torch.no_grad()
 def init_parameter(name, p, n_layer, seed):
-    """The one init rule, by name (also for lib/build.py's meta-device build): matrices
+    """The one init rule, by name (also for harness/build.py's meta-device build): matrices
     normal(0, 0.02), residual projections c_proj / sqrt(2 n_layer); norm weights 1, biases 0."""
     if name.endswith("bias"):
         p.zero_()
@@ -289,7 +289,7 @@ class RoFormer(nn.Module):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.table_start = 0  # the tables hold positions table_start.. (hold_positions)
         self.hold_positions(0, cfg.block_size, "cpu")  # not the window: a forward grows them
-        if not self.wte.weight.is_meta:  # meta: lib/build.py draws once memory is given
+        if not self.wte.weight.is_meta:  # meta: harness/build.py draws once memory is given
             for name, p in self.named_parameters():  # a tied head is wte's weight: drawn once
                 init_parameter(name, p, cfg.n_layer, seed)
 

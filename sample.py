@@ -1,6 +1,6 @@
 """
 Sample text from a trained checkpoint, streamed to stdout as it is generated. The command line
-only: the run is loaded by lib/load.py and decoded by lib/decode.py.
+only: the run is loaded by harness/load.py and decoded by lib/decode.py.
 
     python sample.py --out_dir=out-small
     python sample.py --out_dir=out-small --start="def main(" --num_samples=4 --max_new_tokens=200
@@ -18,10 +18,10 @@ import time
 import torch
 
 from lib import decode
-from lib.common import UserError, cli
-from lib.config import check_seed, configure
-from lib.device import device_memory, pick_device
-from lib.load import describe, load_run
+from harness.common import UserError, cli
+from harness.config import check_seed, configure
+from harness.device import device_memory, pick_device
+from harness.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------
 # the command line

@@ -15,9 +15,10 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py, data/dataset.py, lib/: run.py (ids, out_dir, log.jsonl, preconditions),
-progress.py, mfu.py, build.py (the model), optim.py (AdamW, Muon, their rules), saving.py,
-config.py, device.py, common.py (one-line errors); when used, resume.py, parallel.py, wandb_run.py.
+Elsewhere: model.py, data/dataset.py, lib/optim.py (AdamW, Muon, their rules); the harness/:
+run.py (ids, out_dir, log.jsonl, preconditions), progress.py, mfu.py, build.py (the model),
+saving.py, config.py, device.py, common.py (one-line errors); when used, resume.py, parallel.py,
+wandb_run.py.
 """
 import contextlib
 import dataclasses
@@ -31,12 +32,13 @@ import numpy as np
 import torch
 
 from data.dataset import check_split_sizes, open_dataset, open_split
-from lib import common, mfu, optim, run, saving
-from lib.build import build_model
-from lib.common import UserError
-from lib.config import check_seed, configure
-from lib.device import pick_device, pick_threads, placed
-from lib.progress import Progress, stop_on_signals
+from harness import common, mfu, run, saving
+from harness.build import build_model
+from harness.common import UserError
+from harness.config import check_seed, configure
+from harness.device import pick_device, pick_threads, placed
+from harness.progress import Progress, stop_on_signals
+from lib import optim
 from model import RoFormerConfig
 
 sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`, exit 1
@@ -128,11 +130,11 @@ if fsdp and not ddp:
                     "(--nproc_per_node=1 works too)")
 rank, local_rank, world = 0, 0, 1
 if ddp:
-    from lib import parallel  # only under torchrun: one process needs no torch.distributed
+    from harness import parallel  # only under torchrun: one process needs no torch.distributed
     rank, local_rank, world = parallel.ranks(gradient_accumulation_steps)
 master = rank == 0
 if wandb_log and master:
-    from lib import wandb_run  # only when asked for
+    from harness import wandb_run  # only when asked for
     wandb_run.check()
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 
@@ -157,7 +159,7 @@ if compile and device_type == "cpu" and not run.cxx_compiler_found():
               "none: running eager (pass --compile=False to skip this check)", flush=True)
     compile = False
 config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded in the checkpoint
-threads, threads_note = pick_threads(device_type)  # fewer on a busy CPU (lib/device.py: why)
+threads, threads_note = pick_threads(device_type)  # fewer on a busy CPU (harness/device.py: why)
 
 # ----------------------------------------------------------------------------------------
 # data, out_dir, and the checkpoint to resume from
@@ -165,8 +167,8 @@ ddir, meta = open_dataset(dataset, data_dir, master, ddp, named="dataset" in giv
 config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
 tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
 run_id, restarts = run.run_identity()  # a resumed run keeps its checkpoint's id (below)
-if init_from != "scratch" or restarts:  # starting from a checkpoint: lib/resume.py
-    from lib import resume
+if init_from != "scratch" or restarts:  # starting from a checkpoint: harness/resume.py
+    from harness import resume
 source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
 if init_from not in ("scratch", "resume"):
     source, source_args = resume.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir,

@@ -66,7 +66,7 @@ import runs as bench_runs  # noqa: E402  (read_log, write_atomic: shared with ab
 from runs import (code_identity, iteration_of, last_error, materialise,  # noqa: E402
                   patched_code, revision_code, run_logged, worktree_code)
 from stats import mean_std, paired, t_cdf, t_quantile  # noqa: E402,F401  (tests check them here)
-from lib.common import UserError, cli  # noqa: E402
+from harness.common import UserError, cli  # noqa: E402
 
 # The default model and budget when no config file is given: config/small.py's recipe, smaller
 # (docs/COMPARE.md has its timing: 2 arms x 3 seeds within 10 minutes on 2 cores, either CPU kind).
@@ -135,7 +135,7 @@ def run_threads():
     tokens/s ratios compare thread counts."""
     if os.environ.get("OMP_NUM_THREADS"):
         return os.environ["OMP_NUM_THREADS"]
-    from lib.device import busy_cores, fewer_threads
+    from harness.device import busy_cores, fewer_threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     busy = busy_cores()
     return str(fewer_threads(cores, cores, busy or 0) if cores else 1)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study as bench_study  # noqa: E402  (the run helpers: shared with designs.py)
 from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_of,  # noqa: E402
                    passkey_corpus, tag_rows, train)
-from lib.common import cli  # noqa: E402
+from harness.common import cli  # noqa: E402
 
 SCALED = ("linear", "ntk", "yarn")
 COLORS = dict(none="C0", linear="C1", ntk="C2", yarn="C3", local="C4")  # the plot's

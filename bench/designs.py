@@ -36,7 +36,7 @@ from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_o
                    passkey_corpus, sh, tag_rows, train)
 from stats import interval  # noqa: E402
 from runs import pyplot, save_figure, write_atomic  # noqa: E402
-from lib.common import UserError, cli  # noqa: E402
+from harness.common import UserError, cli  # noqa: E402
 
 DESIGNS = ("rope:;half:rotary_fraction=0.5;"
            "prope:rotary_fraction=0.25 rope_base=10;"  # p-RoPE: 10000 ** 0.25 (docs/MODEL.md)
@@ -105,7 +105,7 @@ def parse_args(argv):
 
 def parse_designs(spec):
     """{name: {key: value string}} in the given order; keys checked against RoFormerConfig."""
-    from lib.config import configure
+    from harness.config import configure
     from model import RoFormerConfig
     fields = {f.name: f.default for f in dataclasses.fields(RoFormerConfig)}
     designs = {}

@@ -23,8 +23,8 @@ import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
-from lib.common import UserError  # noqa: E402
-from lib.config import configure  # noqa: E402
+from harness.common import UserError  # noqa: E402
+from harness.config import configure  # noqa: E402
 
 defaults = {"nproc": 2, "n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 8192,
             "block_size": 128, "batch_size": 2, "steps": 5, "device": "cpu", "dtype": "float32"}
@@ -38,7 +38,7 @@ def rss(field):
 def worker(args, mode, out):
     import torch.distributed as dist
 
-    from lib import build, parallel
+    from harness import build, parallel
     from model import RoFormerConfig
     from lib.optim import build_optimizer
     cuda = args["device"] == "cuda"

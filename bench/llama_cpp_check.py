@@ -23,11 +23,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib.common import cli  # noqa: E402
-from lib.load import load_run  # noqa: E402
+from harness.common import cli  # noqa: E402
+from harness.load import load_run  # noqa: E402
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-from lib import gguf as gguf_export  # noqa: E402
+from formats import gguf as gguf_export  # noqa: E402
 
 
 def llama_cpp_nats(llm, ids, window, stride):

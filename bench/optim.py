@@ -28,9 +28,9 @@ import torch
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
 from data.shared import tqdm  # noqa: E402
-from lib.common import UserError  # noqa: E402
-from lib.config import configure  # noqa: E402
-from lib.device import cpu_has_bf16  # noqa: E402
+from harness.common import UserError  # noqa: E402
+from harness.config import configure  # noqa: E402
+from harness.device import cpu_has_bf16  # noqa: E402
 
 defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,1339",
             "adamw_lrs": "1e-3,2e-3,4e-3", "muon_lrs": "0.01,0.02,0.04", "threads": 1,

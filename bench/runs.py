@@ -16,7 +16,7 @@ import time
 
 from tqdm import tqdm
 
-from lib.common import UserError  # the importers put the repo root on sys.path
+from harness.common import UserError  # the importers put the repo root on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib.common import UserError  # noqa: E402
+from harness.common import UserError  # noqa: E402
 
 GENERATED = re.compile(r"Codec|generated|DO NOT EDIT")  # the first 100 tokens of a document
 COLLECT = False  # --collect: read what is finished, train and evaluate nothing

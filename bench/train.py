@@ -11,7 +11,7 @@ are comparable (timings on a shared machine are noisy; read the ratios).
     python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
     python bench/train.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
 
-MFU is model FLOPs (lib.mfu.flops_per_token) per second over a peak rate: on CPU a
+MFU is model FLOPs (harness.mfu.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
 the numbers stay comparable with the CPU ones).
 
@@ -65,9 +65,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.common import UserError  # noqa: E402
-from lib.config import configure  # noqa: E402
-from lib.mfu import flops_per_token  # noqa: E402
+from harness.common import UserError  # noqa: E402
+from harness.config import configure  # noqa: E402
+from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
 

@@ -26,8 +26,8 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from lib.common import REPO, UserError, cli, error_line
-from lib.config import check_seed
+from harness.common import REPO, UserError, cli, error_line
+from harness.config import check_seed
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
@@ -38,8 +38,8 @@ def given_tokenizer(path):
     if not os.path.exists(path):
         raise UserError(f"--tokenizer {path} does not exist")
     if os.path.isdir(path) or zipfile.is_zipfile(path):  # a run: ckpt.pt is a zip archive
-        from lib.checkpoint import read  # torch and the model: only a run needs them
-        from lib.load import find_tokenizer
+        from harness.checkpoint import read  # torch and the model: only a run needs them
+        from harness.load import find_tokenizer
         ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
         info = read(ckpt, mmap=True).get("tokenizer")  # one line if not a checkpoint
         try:  # the run folder's copy, else where an older run had it, by sha256

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from lib.common import REPO, UserError
+from harness.common import REPO, UserError
 
 
 def load_meta(ddir):

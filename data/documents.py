@@ -9,7 +9,7 @@ import os
 import re
 
 from data.shared import cut_point, tqdm
-from lib.common import UserError
+from harness.common import UserError
 from data.sources import TEXT_KINDS, decoded, gunzip, lines, parquet_texts, raw_blocks
 
 TASK_CHARS = 1 << 20      # text handed to one worker at once

@@ -5,7 +5,7 @@ import codecs
 import os
 import zlib
 
-from lib.common import UserError
+from harness.common import UserError
 
 READ_BYTES = 1 << 20      # raw bytes read from a file at a time
 TEXT_KINDS = ("text", "paragraphs")  # read as UTF-8 text: a file is a document, or paragraphs

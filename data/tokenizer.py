@@ -6,7 +6,7 @@ import io
 import re
 
 from data.shared import BOS_ID, EOS_ID, UNK_ID
-from lib.common import UserError
+from harness.common import UserError
 
 # sentencepiece's trainer records its thread count in the model and unigram's EM sums over
 # one partition of the sentences per thread, so the count must not come from the machine.

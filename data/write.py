@@ -1,12 +1,12 @@
-"""Stage 6: writing. Every output goes to a hidden temp name and is published (lib/files.py:
+"""Stage 6: writing. Every output goes to a hidden temp name and is published (harness/files.py:
 fsync, rename, fsync the folder) at the end, meta.json last, so a folder with meta.json is
 complete; a failure removes the temp files and leaves the dataset already there as it was."""
 import json
 import os
 
 from data.shared import OUTPUTS
-from lib import files
-from lib.common import UserError
+from harness import files
+from harness.common import UserError
 
 # Fields every meta.json prepare ever wrote holds: a folder whose meta.json has them is its own.
 OWN_META_KEYS = ("source_sha256", "source_hash_of", "tokenizer")

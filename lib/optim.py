@@ -6,8 +6,8 @@ schedule's fraction, so Muon's groups follow the same warmup and decay.
 """
 import torch
 
-from lib.common import UserError
-from lib.device import native_bf16
+from harness.common import UserError
+from harness.device import native_bf16
 
 
 def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",

@@ -1,7 +1,7 @@
-"""lib/checkpoint.py and lib/saving.py, which read and write checkpoints, and lib/load.py's load_run: its RoPE scaling
+"""harness/checkpoint.py and harness/saving.py, which read and write checkpoints, and harness/load.py's load_run: its RoPE scaling
 overrides against a model built with that scaling directly, files that are not checkpoints, a
 full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
-the training device/dtype rules of lib/device.pick_device. A mistake is a UserError whose
+the training device/dtype rules of harness/device.pick_device. A mistake is a UserError whose
 message the scripts print as the one line `error: ...`."""
 import errno
 import hashlib
@@ -15,10 +15,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import lib.device  # noqa: E402
-from lib import checkpoint, saving  # noqa: E402
-from lib.common import UserError  # noqa: E402
-from lib.load import load_run  # noqa: E402
+import harness.device  # noqa: E402
+from harness import checkpoint, saving  # noqa: E402
+from harness.common import UserError  # noqa: E402
+from harness.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 ARGS = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -206,7 +206,7 @@ def test_temp_names_are_the_processs_own_and_crashed_saves_are_cleaned(tmp_path,
 HOLD_LOCK = """
 import sys
 sys.path.insert(0, {root!r})
-from lib import run
+from harness import run
 run.prepare_out_dir({out!r})
 print("locked", flush=True)
 sys.stdin.read()
@@ -218,7 +218,7 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_until_the_first_dies(tmp_
     """Two runs into one out_dir interleaved their log.jsonl. While a process holds the folder
     a second is refused in one line naming the folder and the holder's pid, with nothing in
     it changed; once the holder is SIGKILLed (no clean-up ran) the folder is free again."""
-    from lib import run
+    from harness import run
     out = str(tmp_path / "out")
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=out)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -242,8 +242,8 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_until_the_first_dies(tmp_
 FILL_TMPFS = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
-from lib import saving
-from lib.common import UserError
+from harness import saving
+from harness.common import UserError
 path = os.path.join({mnt!r}, "ckpt.pt")
 saving.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
 try:
@@ -277,34 +277,34 @@ def test_pick_device_rules_for_training_and_decoding(monkeypatch):
     """One resolver: training takes bf16 autocast on a CPU with native bf16 matmuls, decoding
     stays float32 on the CPU; float16 needs CUDA for training (its GradScaler)."""
     for native in (True, False):
-        monkeypatch.setattr(lib.device, "cpu_has_bf16", lambda native=native: native)
-        dev, dtype = lib.device.pick_device("cpu", "auto", training=True)
+        monkeypatch.setattr(harness.device, "cpu_has_bf16", lambda native=native: native)
+        dev, dtype = harness.device.pick_device("cpu", "auto", training=True)
         assert dev.type == "cpu" and dtype == ("bfloat16" if native else "float32")
-        assert lib.device.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
+        assert harness.device.pick_device("cpu", "auto") == (torch.device("cpu"), "float32")
     with pytest.raises(UserError, match="float16 needs CUDA"):
-        lib.device.pick_device("cpu", "float16", training=True)
+        harness.device.pick_device("cpu", "float16", training=True)
     with pytest.raises(UserError, match="dtype must be"):
-        lib.device.pick_device("cpu", "int8")
+        harness.device.pick_device("cpu", "int8")
     with pytest.raises(UserError, match="unknown device"):
-        lib.device.pick_device("gpu0")
+        harness.device.pick_device("gpu0")
 
 
 def test_a_bare_cuda_is_placed_on_the_process_gpu(monkeypatch):
     """device=cuda (and auto on a GPU machine) stays a bare cuda in pick_device, so that each
-    torchrun rank takes cuda:LOCAL_RANK (lib/parallel.py); one process takes cuda:0. train.py
+    torchrun rank takes cuda:LOCAL_RANK (harness/parallel.py); one process takes cuda:0. train.py
     calls torch.cuda.set_device, which refuses a bare cuda: a one-GPU run stopped there before
     `placed` (seen on an H200). Checked without a GPU, torch's CUDA queries stubbed."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     for device in ("cuda", "auto"):
         for training in (True, False):
-            dev, _ = lib.device.pick_device(device, "float32", training)
+            dev, _ = harness.device.pick_device(device, "float32", training)
             assert dev == torch.device("cuda") and dev.index is None
-            assert lib.device.placed(dev) == torch.device("cuda", 0)
-            assert lib.device.placed(dev, 5) == torch.device("cuda", 5)
-    named, _ = lib.device.pick_device("cuda:3", "float32")
-    assert lib.device.placed(named, 5) == torch.device("cuda", 3)  # as the user named it
-    assert lib.device.placed(torch.device("cpu"), 5) == torch.device("cpu")
+            assert harness.device.placed(dev) == torch.device("cuda", 0)
+            assert harness.device.placed(dev, 5) == torch.device("cuda", 5)
+    named, _ = harness.device.pick_device("cuda:3", "float32")
+    assert harness.device.placed(named, 5) == torch.device("cuda", 3)  # as the user named it
+    assert harness.device.placed(torch.device("cpu"), 5) == torch.device("cpu")
 
 
 def test_the_process_group_is_bound_to_the_process_gpu(monkeypatch):
@@ -313,7 +313,7 @@ def test_the_process_group_is_bound_to_the_process_gpu(monkeypatch):
     Checked without a GPU: the CUDA calls and the group's creation are stubbed, the rendezvous
     is a real in-memory store."""
     import torch.distributed as dist
-    from lib import parallel
+    from harness import parallel
     joined = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
     monkeypatch.setattr(dist, "rendezvous", lambda url: iter([(dist.HashStore(), 0, 1)]))
@@ -336,9 +336,9 @@ def test_a_device_that_is_not_here_is_one_line(device):
             "cuda": torch.cuda.is_available()}.get(device, False)
     for training in (True, False):
         if here:
-            assert lib.device.pick_device(device, "float32", training)[0].type == device
+            assert harness.device.pick_device(device, "float32", training)[0].type == device
             continue
         with pytest.raises(UserError) as e:
-            lib.device.pick_device(device, "float32", training)
+            harness.device.pick_device(device, "float32", training)
         msg = str(e.value)
         assert device in msg and "\n" not in msg

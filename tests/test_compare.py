@@ -415,7 +415,7 @@ def test_every_run_and_its_scoring_get_one_thread_count(tmp_path, monkeypatch):
         compare.train_and_score(args, run, str(tmp_path))
     assert trainer.threads == ["3"] * 8  # 4 runs, each trained and scored
     monkeypatch.delenv("OMP_NUM_THREADS")
-    from lib import device
+    from harness import device
     cores = len(os.sched_getaffinity(0))
     for busy, want in ((1, max(1, cores - 1)), (0, cores), (cores + 3, 1), (None, cores)):
         monkeypatch.setattr(device, "busy_cores", lambda: busy)

@@ -1,4 +1,4 @@
-"""lib/config.configure: the precedence defaults < config files < --key=value, type checks
+"""harness/config.configure: the precedence defaults < config files < --key=value, type checks
 against the defaults, and one-line errors that name the key."""
 import hashlib
 import os
@@ -8,9 +8,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.common import UserError as ConfigError  # noqa: E402
-from lib.config import configure  # noqa: E402
-from lib.run_tokenizer import file_sha256  # noqa: E402
+from harness.common import UserError as ConfigError  # noqa: E402
+from harness.config import configure  # noqa: E402
+from harness.run_tokenizer import file_sha256  # noqa: E402
 
 DEFAULTS = {"batch_size": 16, "learning_rate": 6e-4, "compile": True, "device": "auto",
             "out_dir": "out"}
@@ -113,7 +113,7 @@ def test_under_torchrun_each_distinct_error_line_is_said_once(monkeypatch, capsy
     with the same line does not, and a line only another rank hits is still printed."""
     import datetime
     from torch.distributed import TCPStore
-    from lib import common
+    from harness import common
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
@@ -130,7 +130,7 @@ def test_error_line_only_formats_and_a_failed_command_cleans_up(tmp_path, monkey
     """error_line used to delete the folders the command made: formatting a line must touch no
     file. The reference is the filesystem: the folder made (holding only its created file)
     survives error_line, and goes once a command fails through cli, as it did before."""
-    from lib import common
+    from harness import common
     made = tmp_path / "out"
     made.mkdir()
     (made / ".train.lock").write_text("1\n")
@@ -150,7 +150,7 @@ def test_auto_dtype_does_not_count_emulated_bf16(monkeypatch):
     (several times slower): dtype=auto must pick fp16 there, and bf16 only where it is native.
     Checked against a stand-in for torch's query, since no GPU runs these tests."""
     import torch
-    from lib.device import cuda_autocast_dtype
+    from harness.device import cuda_autocast_dtype
     for native, want in ((False, "float16"), (True, "bfloat16")):
         def query(including_emulation=True, native=native):
             return native or including_emulation  # emulation always "works"
@@ -168,7 +168,7 @@ def test_gpu_peak_matches_the_exact_model(name, tflops):
     """Substring matching gave an A10G the A10's peak and an L40 or L40S the L4's; an H100
     PCIe (756 TFLOP/s dense bf16) is not an SXM part (989). Unknown cards get None (mfu n/a).
     The expected values are the vendors' datasheet figures, written out here."""
-    from lib.gpu_peaks import gpu_peak_flops
+    from harness.gpu_peaks import gpu_peak_flops
     got = gpu_peak_flops(name)
     assert (got is None and tflops is None) or got == tflops * 1e12
 
@@ -196,7 +196,7 @@ def test_gpu_peak_depends_on_the_dtype_that_runs():
     """MFU of an fp32 run (TF32 tensor cores, allowed by train.py) is measured against the
     card's TF32 rate, not its bf16 rate; fp16/bf16 against the 16-bit rate; a dtype a card only
     emulates (bf16 on a T4 or V100) has no peak. Datasheet figures (dense), written out here."""
-    from lib.gpu_peaks import GPU_PEAK_FLOPS, gpu_peak_flops
+    from harness.gpu_peaks import GPU_PEAK_FLOPS, gpu_peak_flops
     datasheet = {"NVIDIA H100 80GB HBM3": (989, 494.5), "NVIDIA A100-SXM4-80GB": (312, 156),
                  "NVIDIA L4": (121, 60), "NVIDIA H100 PCIe": (756, 378)}
     for name, (half, tf32) in datasheet.items():

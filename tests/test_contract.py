@@ -644,14 +644,14 @@ def export_hf(model, model_factory, folder, idx):
 
 
 def export_gguf(model, model_factory, folder, idx):
-    """The f32 file lib/gguf.py writes (its metadata with an empty tokenizer: the model's
+    """The f32 file formats/gguf.py writes (its metadata with an empty tokenizer: the model's
     part is what counts here), computed two ways: by test_gguf.py's float64 forward written
     from llama.cpp's gptneox graph, and by our model with the file's weights read back into a
     fresh model of other weights (a parameter the file lacks keeps the fresh value, and shows)."""
     pytest.importorskip("gguf", reason="the GGUF export writes with the gguf package")
     pb = pytest.importorskip("sentencepiece.sentencepiece_model_pb2",
                              reason="GGUF metadata is written from a sentencepiece ModelProto")
-    from lib import gguf as gguf_export
+    from formats import gguf as gguf_export
     from test_gguf import gptneox_forward  # skips this test where its packages are missing
     no_tokenizer = SimpleNamespace(eos_id=lambda: 0, unk_id=lambda: 0, bos_id=lambda: -1)
     meta = gguf_export.gguf_metadata(model.config, no_tokenizer, pb.ModelProto(), "f32",

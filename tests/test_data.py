@@ -950,7 +950,7 @@ def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
     are one line naming the file, never a silently shorter corpus."""
     import shutil
     from data.dataset import load_meta, open_split
-    from lib.common import UserError as DatasetError
+    from harness.common import UserError as DatasetError
     root, _, meta = prepared
     ddir = tmp_path / "d"
     shutil.copytree(root / "out", ddir)
@@ -996,7 +996,7 @@ def test_load_meta_refuses_a_field_of_the_wrong_type(prepared, tmp_path, field, 
     and the field, from load_meta (where train, eval, export read it), not an error raised
     while wording another error; the prepared meta.json itself loads."""
     from data.dataset import load_meta, open_split
-    from lib.common import UserError
+    from harness.common import UserError
     root, _, meta = prepared
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     assert load_meta(str(tmp_path)) == meta
@@ -1061,7 +1061,7 @@ def test_tokenizer_option_takes_a_runs_and_the_run_resumes_on_the_new_corpus(pre
     ckpt["tokenizer"] = dict(ckpt["tokenizer"], path=str(tmp_path / "gone.model"))
     (tmp_path / "moved").mkdir()
     torch.save(ckpt, tmp_path / "moved" / "ckpt.pt")
-    from lib import run_tokenizer
+    from harness import run_tokenizer
     monkeypatch.setattr(run_tokenizer, "REPO", str(tmp_path))  # no data/<dataset> there
     with pytest.raises(SystemExit) as e:
         prepare_with(tmp_path / "b", tmp_path / "b2", tmp_path / "moved")
@@ -1078,7 +1078,7 @@ def test_tokenizer_option_tells_another_tokenizer_from_one_retrained(prepared, t
     read can have been prepared again since; any other file is another tokenizer. One line
     each, the way out named, nothing written."""
     import torch  # only here: the rest of data/ runs without it
-    from lib import run_tokenizer
+    from harness import run_tokenizer
     monkeypatch.setattr(run_tokenizer, "REPO", str(tmp_path))  # no data/<dataset> there
     root, texts, _ = prepared
     ours = root / "out" / "tokenizer.model"

@@ -214,9 +214,12 @@ def test_compile_leaves_no_jit_deprecation_warnings():
     assert [str(w.message) for w in seen] == ["still shown"]
 
 
+PACKAGES = ("lib", "harness", "formats")
+
+
 def imported_modules(path):
     """The dotted names of every module the file at `path` imports, wherever it does
-    (`from lib import x` counts as lib.x)."""
+    (`from harness import x` counts as harness.x, and so for every package folder)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     names = set()
@@ -224,13 +227,13 @@ def imported_modules(path):
         if isinstance(n, ast.Import):
             names |= {a.name for a in n.names}
         elif isinstance(n, ast.ImportFrom) and n.module:
-            names |= {f"{n.module}.{a.name}" for a in n.names} if n.module == "lib" else {n.module}
+            names |= {f"{n.module}.{a.name}" for a in n.names} if n.module in PACKAGES else {n.module}
     return names
 
 
 def test_sample_py_is_a_script_that_nothing_imports():
     """sample.py is the command line only: no project module (lib/, the scripts, bench/) imports
-    it, since the decoding is lib/decode.py and the run loader lib/load.py; and the decoding
+    it, since the decoding is lib/decode.py and the run loader harness/load.py; and the decoding
     needs nothing of the project past the model's caches (no loader, no tokenizer, no
     checkpoint)."""
     importers = []
@@ -246,7 +249,7 @@ def test_sample_py_is_a_script_that_nothing_imports():
     assert importers == [], f"these import sample.py, a script: {importers}"
     used = {m for m in imported_modules(os.path.join(ROOT, "lib", "decode.py"))
             if m.split(".")[0] != "torch"}
-    assert "caches" in used and used <= {"caches", "model", "lib.common"}, used
+    assert "caches" in used and used <= {"caches", "model", "harness.common"}, used
 
 
 def test_learned_positions_past_block_size_are_refused_in_one_line():

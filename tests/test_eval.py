@@ -2,7 +2,7 @@
 eval.py against independent references: the sliding window's coverage checked target by
 target, and the reported loss against a naive loop that runs the model once per scored token
 on exactly the context the window rule gives it (a closed form, not eval.py's loop). Also the
-shared loader's one-line errors (lib/load.py). The run here is trained for a few steps with
+shared loader's one-line errors (harness/load.py). The run here is trained for a few steps with
 the real train.py on a corpus built with data/common.py, so its tokenizer has the settings of
 every real run (identity normalisation, no dummy prefix, byte fallback, "\\n" piece).
 test_export.py reuses `make_run`.
@@ -24,7 +24,7 @@ sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import eval as evalpy  # noqa: E402
 from data import common  # noqa: E402
-from lib.common import UserError  # noqa: E402
+from harness.common import UserError  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 BLOCK = 64
@@ -105,7 +105,7 @@ def json_eval(capsys, *args):
 
 def one_line_error(fn, *args):
     """The line fn(*args) must end in: one line, 'error: ...' (a script's main exits with it;
-    a library function raises the UserError that lib/common.py turns into it)."""
+    a library function raises the UserError that harness/common.py turns into it)."""
     with pytest.raises((SystemExit, UserError)) as e:
         fn(*args)
     msg = str(e.value.code) if isinstance(e.value, SystemExit) else f"error: {e.value}"
@@ -223,7 +223,7 @@ def test_argument_and_input_errors(run, tmp_path):
 
 
 def test_loader_errors(run, tmp_path):
-    """lib/load.py's load_run, shared with sample.py and export.py: missing folder or file, a
+    """harness/load.py's load_run, shared with sample.py and export.py: missing folder or file, a
     truncated file, weights that do not fit, a tokenizer retrained since."""
     a = ("--split=val",)
     assert "does not exist" in err(f"--out_dir={tmp_path / 'nope'}", *a)
@@ -435,9 +435,9 @@ def as_trained_on(ckpt, data):
 
 
 def another_corpus_in_data_dataset(tmp_path, monkeypatch):
-    """data/<dataset> next to the scripts (lib/run_tokenizer.py's REPO, moved to tmp_path/repo)
+    """data/<dataset> next to the scripts (harness/run_tokenizer.py's REPO, moved to tmp_path/repo)
     holds another corpus with its own tokenizer: the folder the old search fell back to."""
-    from lib import run_tokenizer
+    from harness import run_tokenizer
     repo = tmp_path / "repo"
     texts = [t for _, t in corpus_docs(12, seed=11)]
     common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",

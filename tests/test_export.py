@@ -32,7 +32,7 @@ import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from lib import decode as decoding  # noqa: E402
-from lib import load as loader  # noqa: E402
+from harness import load as loader  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402
                        one_thread)  # noqa: F401 (an autouse fixture)
@@ -345,7 +345,7 @@ def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, re
 def test_a_wrongly_allow_listed_change_is_refused_without_transformers(run, tmp_path, monkeypatch,
                                                                        change):
     """Issue 37: a configuration GPT-NeoX cannot express, let through by a wrong allow-list
-    entry, with nothing to load the folder (--check=False, no transformers): lib/neox.py's
+    entry, with nothing to load the folder (--check=False, no transformers): formats/neox.py's
     reference computes the folder as written and disagrees; one line, nothing left."""
     monkeypatch.setattr(export, "config_refusal", lambda c, kind: None)  # the wrong entry
     for name in [n for n in sys.modules if n.split(".")[0] == "transformers"]:
@@ -358,7 +358,7 @@ def test_a_wrongly_allow_listed_change_is_refused_without_transformers(run, tmp_
             block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
     out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
     msg = err(f"--out_dir={out}", "--check=False")
-    assert "lib/neox.py" in msg and "is not this model" in msg
+    assert "formats/neox.py" in msg and "is not this model" in msg
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["ckpt.pt"]
 
 
@@ -397,7 +397,7 @@ def refused_wrongly(kind, named, why):
         return (f"expected the {kind} export to refuse this model in one line naming {named!r}; "
                 f"export.refusal returned None, so the model would be exported. This test pins "
                 f"today's refusals: if the {kind} export now maps this change exactly, move the "
-                f"case from this test to the exports' exact-mapping tests and teach lib/neox.py "
+                f"case from this test to the exports' exact-mapping tests and teach formats/neox.py "
                 f"what it computes (docs/HACKING.md, 'A newly mapped option')")
     return f"expected the {kind} export's refusal to be one line naming {named!r}; got {why!r}"
 

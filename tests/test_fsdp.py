@@ -1,4 +1,4 @@
-"""FSDP2 training (fsdp=True, lib/parallel.py) against independent references: one process and DDP
+"""FSDP2 training (fsdp=True, harness/parallel.py) against independent references: one process and DDP
 on the same global batch, an unbroken run for stop-and-resume, a one-process run resumed from
 its own checkpoint for resharding 2 ranks -> 1, a normally built model for the meta-device
 build, and the parameter counts themselves for the sharding. CPU, gloo, 2 ranks, tiny model.
@@ -166,7 +166,7 @@ def test_meta_build_equals_a_normal_build(pos_encoding, tied, attention):
     way: the same buffers (position tables) exactly, the head tied to the embedding as the
     config says, and every parameter (an untied head too) drawn by model.py's rule: constants
     equal, random ones with the same spread (model.py draws them in another order)."""
-    from lib import build
+    from harness import build
     cfg = RoFormerConfig(vocab_size=256, block_size=64, n_layer=3, n_head=4, n_embd=64,
                          pos_encoding=pos_encoding, attention=attention, bias=True,
                          tie_embeddings=tied)
@@ -205,7 +205,7 @@ def worker(out):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from lib import build
+    from harness import build
     dist.init_process_group("gloo")
     rank, res = dist.get_rank(), {}
     for pe in ("rope", "sinusoidal", "learned", "untied"):  # untied: rope, tie_embeddings=False
@@ -232,7 +232,7 @@ def test_each_rank_holds_half_and_the_weights_of_one_process(tmp_path):
     """Two ranks: each holds about half of the parameters and of the AdamW moments (their sum
     is the whole model, exactly), and the sharded initialisation gathers to the weights that
     one process draws; the meta-device buffers equal a normally built model's."""
-    from lib import build
+    from harness import build
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node=2", os.path.abspath(__file__), str(tmp_path)],
                        capture_output=True, text=True, cwd=ROOT, env=env())

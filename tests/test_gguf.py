@@ -1,6 +1,6 @@
 """
 export.py --gguf against independent references: gguf's own reader (every key and tensor as
-written), sentencepiece's API for the vocabulary, lib/neox.py's float64 forward written from
+written), sentencepiece's API for the vocabulary, formats/neox.py's float64 forward written from
 llama.cpp's gptneox graph (how it splits attn_qkv, rotates, normalises) over the file's
 tensors against our model's logits (and against transformers' model of the same weights),
 and, where llama-cpp-python is installed, llama.cpp itself (its tokenizer, its logits, its
@@ -28,7 +28,7 @@ gguf = pytest.importorskip("gguf", reason="export.py --gguf writes with the gguf
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 from lib import decode as decoding  # noqa: E402
-from lib import gguf as gguf_export  # noqa: E402
+from formats import gguf as gguf_export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import BLOCK, corpus_docs, make_run, one_line_error, one_thread  # noqa: E402,F401
@@ -183,7 +183,7 @@ def test_sizes_half_and_about_a_quarter(run, tmp_path):
 # --- the file computes our model -------------------------------------------------------------
 
 def gptneox_forward(path, ids):
-    """The file's logits by lib/neox.py's float64 gptneox forward (checked against transformers
+    """The file's logits by formats/neox.py's float64 gptneox forward (checked against transformers
     in test_reference_of_the_file_is_transformers_model), as numpy."""
     return gguf_export.reference_logits(path, torch.as_tensor(ids)).numpy()
 
@@ -295,14 +295,14 @@ def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason
 def test_a_wrongly_allow_listed_change_is_refused_without_llama_cpp(run, tmp_path, monkeypatch,
                                                                     change):
     """Issue 37: a configuration the file cannot express, let through by a wrong allow-list
-    entry, was written (rc 0) when llama.cpp was not there to run it. lib/neox.py's reference
+    entry, was written (rc 0) when llama.cpp was not there to run it. formats/neox.py's reference
     computes the file as written and disagrees: one line, no file, the previous one kept."""
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it now raises ImportError
     monkeypatch.setattr(export, "config_refusal", lambda c, kind: None)  # the wrong entry
     _, out = sharp_run(run, tmp_path / "out", **change)
     path = tmp_path / "m.gguf"
     msg = err(f"--out_dir={out}", f"--gguf={path}")
-    assert "lib/neox.py" in msg and "is not this model" in msg
+    assert "formats/neox.py" in msg and "is not this model" in msg
     assert sorted(os.listdir(tmp_path)) == ["out"]
     export.main([f"--out_dir={run['out']}", f"--gguf={path}"])  # the plain model passes
     before = path.read_bytes()
@@ -316,12 +316,12 @@ def test_a_wrongly_allow_listed_change_is_refused_without_llama_cpp(run, tmp_pat
     ("ntk", 4.0, 0, 0.5, True), ("yarn", 4.0, 16, 0.5, True), ("none", 1.0, 0, 1.0, False)])
 def test_reference_of_the_file_is_transformers_model(run, tmp_path, scaling, factor, original,
                                                      fraction, tied):
-    """lib/neox.py itself, read from either export, against transformers' GPTNeoXForCausalLM
+    """formats/neox.py itself, read from either export, against transformers' GPTNeoXForCausalLM
     loaded from the folder of the same weights: the reference computes what the formats mean
     (partial rotary too: rope.dimension_count, partial_rotary_factor)."""
     transformers = pytest.importorskip("transformers", reason="the reference is checked "
                                        "against transformers' GPTNeoXForCausalLM")
-    from lib import hf as hf_export
+    from formats import hf as hf_export
     model, out = sharp_run(run, tmp_path / "out", rope_scaling=scaling, rope_factor=factor,
                            rope_original=original, rotary_fraction=fraction,
                            tie_embeddings=tied)

@@ -1,10 +1,12 @@
-"""The import layering (docs/DESIGN.md): model.py at the bottom, lib/ above it, data/ above
-lib/, the scripts on top. Read from the source with ast (every import, lazy ones too), so a
+"""The import layering (docs/DESIGN.md): model.py at the bottom, the packages above it (lib/, the
+harness/ that prepares and guards a run, the export formats/), data/ above them, the scripts on
+top. Read from the source with ast (every import, lazy ones too), so a
 circle or an arrow that runs back down shows here before it shows as an ImportError."""
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("lib", "harness", "formats")  # below data/ and the scripts
 
 
 def module_name(path):
@@ -13,7 +15,8 @@ def module_name(path):
 
 def project_modules():
     files = [REPO / f"{name}.py" for name in ("model", "model_checks", "baselines", "caches")]
-    files += [*sorted((REPO / "lib").glob("*.py")), *sorted((REPO / "data").glob("*.py"))]
+    for package in (*PACKAGES, "data"):
+        files += sorted((REPO / package).glob("*.py"))
     return {module_name(f): f for f in files if f.name != "__init__.py"}
 
 
@@ -46,29 +49,33 @@ def test_no_import_circles():
 
 
 def test_imports_run_one_way_between_layers():
-    """lib/ never imports data/ (data/ imports lib/common); model.py, at the bottom, imports
+    """No package imports data/ (data/ imports harness/common), the harness never imports the
+    export formats (an export is not part of preparing a run); model.py, at the bottom, imports
     only its siblings (baselines.py, caches.py, model_checks.py), which import nothing else of
     the project's."""
     g = graph()
     back = {m: sorted(d for d in deps if d.startswith("data.")) for m, deps in g.items()
-            if m.startswith("lib.")}
+            if m.split(".")[0] in PACKAGES}
     assert not {m: d for m, d in back.items() if d}
+    to_formats = {m: sorted(d for d in deps if d.startswith("formats.")) for m, deps in g.items()
+                  if m.startswith("harness.")}
+    assert not {m: d for m, d in to_formats.items() if d}
     assert g["model"] <= {"baselines", "caches", "model_checks"}
     assert g["model_checks"] <= {"baselines"} and g["baselines"] == g["caches"] == set()
 
 
 def test_the_shared_modules_import_only_lib_common():
-    """lib/common.py (UserError and its one line) imports nothing of the project but, lazily
-    under torchrun, lib/torchrun_errors.py; the config parser, the device resolver and the file
-    writers import only lib/common.py, so any script takes one without the others."""
+    """harness/common.py (UserError and its one line) imports nothing of the project but, lazily
+    under torchrun, harness/torchrun_errors.py; the config parser, the device resolver and the file
+    writers import only harness/common.py, so any script takes one without the others."""
     g = graph()
-    assert g["lib.common"] <= {"lib.torchrun_errors"}
-    assert g["lib.config"] == g["lib.device"] == g["lib.files"] == {"lib.common"}
+    assert g["harness.common"] <= {"harness.torchrun_errors"}
+    assert g["harness.config"] == g["harness.device"] == g["harness.files"] == {"harness.common"}
 
 
 def test_sampling_does_not_load_the_file_writers():
     """sample.py writes no file: no module it imports, lazily or not, defines the atomic
-    writes (as lib/common.py did while it held them)."""
+    writes (as harness/common.py did while it held them)."""
     known = project_modules()
     seen, todo = set(), list(imports(REPO / "sample.py", known))
     while todo:
@@ -77,4 +84,4 @@ def test_sampling_does_not_load_the_file_writers():
             seen.add(name)
             todo += imports(known[name], known)
     writers = [m for m in seen if "def atomic_write(" in known[m].read_text()]
-    assert "lib.load" in seen and not writers, writers
+    assert "harness.load" in seen and not writers, writers

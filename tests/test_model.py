@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lib.optim import build_optimizer  # noqa: E402
-from lib.mfu import flops_per_token  # noqa: E402
+from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table  # noqa
 from lib.decode import generate, sample_next  # noqa: E402
 
@@ -628,7 +628,7 @@ def test_state_dict_keys_are_the_checkpoint_format(pos_encoding):
 def test_untied_head_is_its_own_matrix_and_matches_the_float64_reference():
     """tie_embeddings=False: lm_head a parameter of its own, drawn by the one init rule
     (normal 0.02) from its own stream, so the rest of the model starts as the tied one does;
-    logits are the naive forward with that head; num_params (non-embedding: what lib/mfu.py
+    logits are the naive forward with that head; num_params (non-embedding: what harness/mfu.py
     counts) drops the untied wte lookup and keeps the head."""
     tied, m = tiny(), tiny(tie_embeddings=False)
     assert m.lm_head.weight is not m.wte.weight and not torch.equal(m.lm_head.weight,
@@ -687,9 +687,9 @@ def test_a_parameter_starts_from_the_seed_and_its_name_only(other):
 
 @pytest.mark.parametrize("other", [{}, dict(pos_encoding="learned"), dict(tie_embeddings=False)])
 def test_the_meta_device_build_draws_the_eager_builds_weights(other):
-    """lib/build.py (meta device, memory, then init_weights) against RoFormer(cfg, seed):
+    """harness/build.py (meta device, memory, then init_weights) against RoFormer(cfg, seed):
     every tensor equal, the tie as configured."""
-    from lib.build import build_model
+    from harness.build import build_model
     cfg = RoFormerConfig(**{**INIT_ARGS, **other})
     eager = RoFormer(cfg, seed=1337)
     built = build_model(cfg, 1337, "cpu")[0]
@@ -705,7 +705,7 @@ def test_tied_and_untied_weights_load_only_where_they_fit():
     tied, untied = tiny(), tiny(tie_embeddings=False)
     with pytest.raises(RuntimeError, match="tie_embeddings") as e:
         tiny().load_state_dict(untied.state_dict())
-    assert len(str(e.value).splitlines()) == 2  # torch's header, our line (lib/checkpoint.misfit)
+    assert len(str(e.value).splitlines()) == 2  # torch's header, our line (harness/checkpoint.misfit)
     with pytest.raises(RuntimeError, match="lm_head.weight"):
         tiny(tie_embeddings=False).load_state_dict(
             {k: v for k, v in tied.state_dict().items() if k != "lm_head.weight"})

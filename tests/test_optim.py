@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from lib.muon import Muon, orthogonalise  # noqa: E402
 from lib.optim import build_optimizer  # noqa: E402
-from lib.common import UserError  # noqa: E402
+from harness.common import UserError  # noqa: E402
 
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 
@@ -304,7 +304,7 @@ def test_a_cpu_that_emulates_bf16_trains_and_orthogonalises_in_float32():
     """oneDNN limited to AVX2 emulates bf16 as an AVX2-only CPU does (~100x slower than
     float32), although this CPU's flags may still list avx512_bf16: dtype=auto and Muon must
     both see that and keep to float32 (the flags alone said bf16 here)."""
-    code = ("import torch; from lib.device import pick_device; from lib.optim import "
+    code = ("import torch; from harness.device import pick_device; from lib.optim import "
             "build_optimizer; from model import RoFormer, RoFormerConfig; "
             "m = RoFormer(RoFormerConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, "
             "n_embd=8)); print(pick_device('cpu', 'auto', training=True)[1], "

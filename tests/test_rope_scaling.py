@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.load import load_run  # noqa: E402
+from harness.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig, rope_table  # noqa: E402
 from test_checkpoint import ARGS, logits, tokenizer, write_run  # noqa: E402,F401
 

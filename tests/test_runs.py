@@ -13,15 +13,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib import device as devices  # noqa: E402
-from lib import mfu  # noqa: E402
-from lib import progress as progresses  # noqa: E402
-from lib import run as runs  # noqa: E402
-from lib.progress import Progress  # noqa: E402
+from harness import device as devices  # noqa: E402
+from harness import mfu  # noqa: E402
+from harness import progress as progresses  # noqa: E402
+from harness import run as runs  # noqa: E402
+from harness.progress import Progress  # noqa: E402
 
 
 class Clock:
-    """time.time for lib/progress.py, moved by the test: seconds pass only when it says."""
+    """time.time for harness/progress.py, moved by the test: seconds pass only when it says."""
     def __init__(self):
         self.now = 1000.0
 
@@ -192,7 +192,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
     one layer) was told to lower batch_size, block_size, n_layer or n_embd, never
     vocab_size."""
     from model import RoFormer, RoFormerConfig
-    from lib.common import UserError
+    from harness.common import UserError
     cfg = RoFormerConfig(vocab_size=4096, block_size=256, n_layer=4, n_head=4, n_embd=256)
     with torch.device("meta"):
         model = RoFormer(cfg)

@@ -475,7 +475,7 @@ def test_moved_tokenizer_is_reported_as_missing_not_retrained(ws, capsys, tmp_pa
     """The recorded tokenizer is gone and data/<dataset>/tokenizer.model holds another one:
     the message says the run's file is missing and how to point to it, not "retrained"; the
     file at the new place is then accepted."""
-    from lib import run_tokenizer
+    from harness import run_tokenizer
     monkeypatch.setattr(run_tokenizer, "REPO", str(tmp_path))  # where data/<dataset> is
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     train_tokenizer(str(tmp_path / "data" / "tiny" / "tokenizer.model"), byte_fallback=False)
@@ -526,6 +526,6 @@ def test_sampling_imports_no_training_code():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     imported = set(r.stdout.split())
-    assert {"lib.load", "lib.checkpoint"} <= imported
-    for training_only in ("lib.saving", "lib.optim", "lib.run", "lib.progress"):
+    assert {"harness.load", "harness.checkpoint"} <= imported
+    for training_only in ("harness.saving", "lib.optim", "harness.run", "harness.progress"):
         assert importlib.util.find_spec(training_only) and training_only not in imported

@@ -90,9 +90,9 @@ def train_here(*args, **extra):
     returns, without a new interpreter importing torch (~1 s a command). An exception that
     escapes goes to train.py's own sys.excepthook, as it would at the end of the script, and
     the process-wide state train.py may touch (cwd, environment, excepthook, signal handlers,
-    global RNGs, lib.common's lists of folders and files made) is put back afterwards, and the
+    global RNGs, harness.common's lists of folders and files made) is put back afterwards, and the
     out_dir lock a run took is let go (a process ending does that for a real run)."""
-    from lib import common, run
+    from harness import common, run
     saved = (os.getcwd(), dict(os.environ), sys.argv, sys.excepthook, random.getstate(),
              np.random.get_state(), torch.get_rng_state(),
              (list(common.created_dirs), list(common.created_files)),
@@ -207,8 +207,8 @@ def imported_by_run(*args):
 
 # module -> a flag whose path needs it (None: torchrun's, a GPU's): a plain one-process run
 # never runs it, so never imports it (issue 36: the lines of project code a run imports)
-OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon", "lib.torchrun_errors": None,
-                    "lib.gpu_peaks": None, "baselines": "--pos_encoding=learned"}
+OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon", "harness.torchrun_errors": None,
+                    "harness.gpu_peaks": None, "baselines": "--pos_encoding=learned"}
 
 
 def test_a_plain_run_imports_no_optional_module(data, tmp_path):
@@ -1280,8 +1280,8 @@ def test_the_continuations_scaling_flags_override_runs_one_by_one():
     """init_from=RUN: a scaling key given replaces RUN's, one not given is RUN's ("none" is
     factor 1), by sample.py's rule for the same flags."""
     sys.path.insert(0, ROOT)
-    from lib.common import UserError
-    from lib.resume import context_args
+    from harness.common import UserError
+    from harness.resume import context_args
     theirs = dict(vocab_size=64, block_size=128, rope_scaling="yarn", rope_factor=4.0,
                   rope_original=32, pos_encoding="rope")
     mine = dict(theirs, vocab_size=0, rope_scaling="none", rope_factor=1.0, rope_original=0)
@@ -1304,8 +1304,8 @@ def test_a_checkpoint_train_cannot_start_from_is_one_line(base_run, tmp_path, da
     model_args with a key this model.py lacks, in a TypeError. Both refused in one line by resume
     and by init_from=RUN alike."""
     sys.path.insert(0, ROOT)
-    from lib import resume
-    from lib.common import UserError
+    from harness import resume
+    from harness.common import UserError
     base = load(base_run)
     ck = dict(base)
     if damage == "nanogpt":
@@ -1368,7 +1368,7 @@ def test_the_evaluation_before_iteration_0_shows_its_progress(data, tmp_path, mo
     """Nothing was printed between `MFU: ...` and `iter 0: ...` while the first evaluation ran
     (55-153 s on a busy machine). Here every evaluation counts as long (QUIET_S 0): its
     countdown line comes between the two, with the batches it runs."""
-    from lib.progress import Countdown
+    from harness.progress import Countdown
     monkeypatch.setattr(Countdown, "QUIET_S", -1.0)
     r = train_here(f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY,
                    "--eval_iters=3", "--max_iters=0")

@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from data import common  # noqa: E402
 from data.pystdlib.prepare import pydoc_topics  # noqa: E402
-from lib.common import UserError  # noqa: E402
+from harness.common import UserError  # noqa: E402
 
 KEY, QUESTION = "The pass key is {}. Remember it.", "What is the pass key? The pass key is"
 LABELLED_KEY = "The pass key for {} is {}. Remember it."

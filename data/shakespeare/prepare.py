@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from data import common  # noqa: E402
-from lib.common import REPO, UserError  # noqa: E402
-from lib.files import atomic_write  # noqa: E402
+from harness.common import REPO, UserError  # noqa: E402
+from harness.files import atomic_write  # noqa: E402
 from data.sources import file_sources, find_files  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"

@@ -1,7 +1,7 @@
 """wandb_log=True (wandb is optional: train.py imports this module only then)."""
 import os
 
-from lib.common import UserError
+from harness.common import UserError
 
 
 def check():

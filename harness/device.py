@@ -1,10 +1,10 @@
 """The device and dtype every script runs in: 'auto' resolved, the names checked before anything
 loads, and whether the CPU or GPU multiplies bf16 natively. Imports of the project only
-lib/common.py (UserError), and torch only inside the functions that need it."""
+harness/common.py (UserError), and torch only inside the functions that need it."""
 import functools
 import os
 
-from lib.common import UserError
+from harness.common import UserError
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 """What every script shares: the one user-error type and the one place it becomes a line
 (`error: ...`, exit 1, after undoing the empty folders the command made), and the repo root.
-Imports nothing of the project (lib/torchrun_errors.py only lazily, under torchrun), nor torch
+Imports nothing of the project (harness/torchrun_errors.py only lazily, under torchrun), nor torch
 (data/'s workers import this)."""
 import functools
 import os
@@ -33,12 +33,12 @@ def cleanup():
 
 def excepthook(kind, value, tb):
     """sys.excepthook of a script without a main (train.py): a UserError is its line, exit 1
-    (under torchrun once, by the first rank that hits it: lib/torchrun_errors.py)."""
+    (under torchrun once, by the first rank that hits it: harness/torchrun_errors.py)."""
     if issubclass(kind, UserError):
         cleanup()
         line = error_line(value)
         if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # under torchrun only
-            from lib.torchrun_errors import said_by_another_rank
+            from harness.torchrun_errors import said_by_another_rank
             if said_by_another_rank(line):
                 return
         print(line, file=sys.stderr, flush=True)

@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from lib import run_tokenizer
-from lib.checkpoint import misfit, read, rescale
-from lib.common import UserError
+from harness import run_tokenizer
+from harness.checkpoint import misfit, read, rescale
+from harness.common import UserError
 from model import RoFormer, RoFormerConfig
 
 

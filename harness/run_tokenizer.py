@@ -1,14 +1,14 @@
 """A run's tokenizer file: its name, its sha256, parsing it, and where older runs kept it.
-train.py keeps a copy of the dataset's tokenizer.model in out_dir (lib/run.py's
+train.py keeps a copy of the dataset's tokenizer.model in out_dir (harness/run.py's
 keep_tokenizer), so that a run folder needs nothing outside itself (a later prepare into the
-dataset folder may replace the dataset's); lib/load.py's find_tokenizer is the one place that
+dataset folder may replace the dataset's); harness/load.py's find_tokenizer is the one place that
 locates a run's tokenizer (sample.py, eval.py, export.py, prepare --tokenizer=RUN), always
 checked by the sha256 the checkpoint records.
-Imports only lib/common.py (data/ calls it too), and sentencepiece only where a file is parsed."""
+Imports only harness/common.py (data/ calls it too), and sentencepiece only where a file is parsed."""
 import hashlib
 import os
 
-from lib.common import REPO, UserError
+from harness.common import REPO, UserError
 
 NAME = "tokenizer.model"  # in a dataset folder and in a run folder alike
 

@@ -24,7 +24,7 @@ def build_model(mconf, seed, device, fsdp=False, ddp=False, param_dtype=None, co
         for block in model.blocks:
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     if fsdp or ddp:  # only under torchrun: one process needs no torch.distributed
-        from lib import parallel
+        from harness import parallel
     if fsdp:
         parallel.fully_shard_model(model, device, param_dtype, compile)
     materialise(model, device)

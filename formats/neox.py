@@ -3,7 +3,7 @@ GPT-NeoX computed in float64 from an export's own file: the exports' independent
 Written from the formats' definitions (transformers' GPTNeoX, llama.cpp's gptneox graph), it
 shares nothing with model.py, so a model that an export maps wrongly (or that the allow-list
 lets through unmapped) disagrees with it before the file goes into place, also where neither
-transformers nor llama.cpp is installed. lib/hf.py and lib/gguf.py read their files into
+transformers nor llama.cpp is installed. formats/hf.py and formats/gguf.py read their files into
 `forward`'s arguments; export.py compares (`disagreement`).
 """
 import math
@@ -81,6 +81,6 @@ def disagreement(reference, ours, what):
     scale = max(1.0, ours.abs().max().item())
     if diff <= 1e-3 * scale:
         return None
-    return (f"{what}, computed by lib/neox.py's float64 GPT-NeoX from the file as written, is "
+    return (f"{what}, computed by formats/neox.py's float64 GPT-NeoX from the file as written, is "
             f"not this model: max |logit difference| {diff:.2e} (logits up to {scale:.2g}); "
             f"the export does not map this model, so nothing was written")

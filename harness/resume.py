@@ -6,10 +6,10 @@ import os
 import re
 from pathlib import Path
 
-from lib.checkpoint import misfit, read, rescale
-from lib.saving import set_rng_state
-from lib.common import UserError
-from lib.files import atomic_write
+from harness.checkpoint import misfit, read, rescale
+from harness.saving import set_rng_state
+from harness.common import UserError
+from harness.files import atomic_write
 from model import RoFormerConfig
 
 
@@ -65,7 +65,7 @@ def check(ckpt, config, tokenizer, loop_keys, master):
 
 def load_state(ckpt, path, raw_model, optimizer, scaler):
     """Weights, optimizer and loss-scaler state of `ckpt` (read from `path`), however they are
-    sharded now (lib/parallel.py reshards an FSDP run's DCP folder to any number of ranks, FSDP
+    sharded now (harness/parallel.py reshards an FSDP run's DCP folder to any number of ranks, FSDP
     or not), and the global RNGs. The optimizer keeps this command's hyperparameters."""
     if "sharded" not in ckpt and "optimizer" not in ckpt:
         raise UserError(f"{path} holds no optimizer state: it cannot be resumed")
@@ -74,7 +74,7 @@ def load_state(ckpt, path, raw_model, optimizer, scaler):
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         if "sharded" in ckpt or hasattr(raw_model, "reshard"):  # an FSDP run or model
-            from lib import parallel
+            from harness import parallel
             parallel.load_state(ckpt, path, raw_model, optimizer)
         else:
             raw_model.load_state_dict(ckpt["model"])

@@ -1,6 +1,6 @@
 """
-Writing ckpt.pt (train.py; lib/parallel.py for an FSDP run's): atomically, with the RNG states
-a resume puts back. Reading it is lib/checkpoint.py's.
+Writing ckpt.pt (train.py; harness/parallel.py for an FSDP run's): atomically, with the RNG states
+a resume puts back. Reading it is harness/checkpoint.py's.
 """
 import contextlib
 import os
@@ -9,9 +9,9 @@ import random
 import numpy as np
 import torch
 
-from lib.checkpoint import read
-from lib.common import UserError
-from lib.files import atomic_write, remove
+from harness.checkpoint import read
+from harness.common import UserError
+from harness.files import atomic_write, remove
 
 
 def rng_state():
@@ -22,7 +22,7 @@ def rng_state():
             "python": list(random.getstate())}
 
 
-def set_rng_state(saved):  # rng_state's inverse (lib/resume.py)
+def set_rng_state(saved):  # rng_state's inverse (harness/resume.py)
     torch.set_rng_state(saved["torch"])
     np.random.set_state(tuple(saved["numpy"]))
     random.setstate((saved["python"][0], tuple(saved["python"][1]), saved["python"][2]))
@@ -58,7 +58,7 @@ def commit(path, ckpt):
 def save(path, meta, raw_model, optimizer, rank=0):
     """Write the checkpoint `path` (out_dir/ckpt.pt): `meta` (iteration, RNG, config, ...) plus
     the full model weights and the optimizer; rank 0 writes (an FSDP model saves with
-    lib/parallel.save_sharded instead, a collective). A UserError (one line) when it cannot
+    harness/parallel.save_sharded instead, a collective). A UserError (one line) when it cannot
     write; the previous checkpoint stays."""
     if rank == 0:  # the uncompiled module's state: no _orig_mod. prefixes
         commit(path, dict(meta, model=raw_model.state_dict(), optimizer=optimizer.state_dict()))

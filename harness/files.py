@@ -1,10 +1,10 @@
 """Files: atomic writes (a temp file or folder, fsync, rename, fsync the folder) and the out_dir
-check. Imports of the project only lib/common.py (UserError, and the list of folders a failed
+check. Imports of the project only harness/common.py (UserError, and the list of folders a failed
 command removes), and no torch: data/'s workers import it."""
 import os
 import shutil
 
-from lib.common import UserError, created_dirs
+from harness.common import UserError, created_dirs
 
 
 def fsync(path):

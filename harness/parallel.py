@@ -24,10 +24,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lib.saving import commit
-from lib.common import UserError, excepthook
-from lib.device import placed
-from lib.files import fsync
+from harness.saving import commit
+from harness.common import UserError, excepthook
+from harness.device import placed
+from harness.files import fsync
 
 
 def ranks(gradient_accumulation_steps):
@@ -95,7 +95,7 @@ def stop_with_launcher():
 
 
 def ddp_wrap(model, device):
-    """DDP around `model` (lib/build.build_model's, compiled or not)."""
+    """DDP around `model` (harness/build.build_model's, compiled or not)."""
     # No buffer sync before every forward: the only buffers are the position tables, built
     # identically on every rank. Newer torch names it forward_sync_buffers (and warns on
     # every rank about broadcast_buffers); older ones only know broadcast_buffers.
@@ -162,7 +162,7 @@ def full_weights(raw_model):
 
 
 def load_state(ckpt, path, raw_model, optimizer):
-    """lib/resume.load_state's sharded half: ckpt.pt's full state cut into this rank's
+    """harness/resume.load_state's sharded half: ckpt.pt's full state cut into this rank's
     shards, or the DCP folder it names resharded to this run's ranks (FSDP or not)."""
     if "sharded" not in ckpt:
         return load_full_state(raw_model, optimizer, ckpt["model"], ckpt["optimizer"])

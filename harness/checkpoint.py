@@ -1,6 +1,6 @@
 """
-Reading ckpt.pt: lib/resume.py and lib/load.py's load_run read with `read` (and apply RoPE
-scaling flags to its model_args with `rescale`); train.py writes it with lib/saving.py. What
+Reading ckpt.pt: harness/resume.py and harness/load.py's load_run read with `read` (and apply RoPE
+scaling flags to its model_args with `rescale`); train.py writes it with harness/saving.py. What
 ckpt.pt holds, and why it is the commit point: docs/TRAINING.md.
 """
 import os
@@ -8,7 +8,7 @@ import zipfile
 
 import torch
 
-from lib.common import UserError
+from harness.common import UserError
 
 
 def read(path, mmap=False):

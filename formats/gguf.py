@@ -12,7 +12,7 @@ import torch
 
 import gguf
 
-from lib import neox
+from formats import neox
 from model import ntk_base
 
 ARCH = "gptneox"
@@ -205,7 +205,7 @@ def weights_from_gguf(path, model):
 
 
 def reference_logits(path, ids):
-    """lib/neox.py's forward of the file as llama.cpp reads it: its metadata (a missing scaling
+    """formats/neox.py's forward of the file as llama.cpp reads it: its metadata (a missing scaling
     type is llama.cpp's "linear") and its tensors, dequantized; q, k, v at offsets 0, n_embd,
     2 n_embd of attn_qkv's output."""
     reader = gguf.GGUFReader(path)

@@ -1,5 +1,5 @@
 """MFU: model FLOPs per second of one device over that device's peak, the peak being a GPU's
-datasheet figure (lib/gpu_peaks.py). A CPU has none: n/a there (peak_flops says why)."""
+datasheet figure (harness/gpu_peaks.py). A CPU has none: n/a there (peak_flops says why)."""
 import torch
 
 CPU_NO_PEAK = ("n/a on a CPU: it has no datasheet peak, and one timed here measures how busy "
@@ -13,7 +13,7 @@ def peak_flops(device_type, dtype):
     the machine, and one from the CPU's flags (cores x clock x FLOPs per cycle) would have to
     guess the clock under load and the number of vector units, which no flag tells."""
     if device_type == "cuda":  # the datasheet table: only a GPU run needs it
-        from lib.gpu_peaks import gpu_peak_flops
+        from harness.gpu_peaks import gpu_peak_flops
         return gpu_peak_flops(torch.cuda.get_device_name(), dtype)
     return None
 

@@ -1,7 +1,7 @@
 """train.py's run folder and preconditions: out_dir and its lock, run ids, the old run moved
 aside, log.jsonl, the tokenizer's identity, and what is refused before anything is allocated
 (a model that cannot fit, torch.compile without a C++ compiler). MFU's peaks are in
-lib/mfu.py, the progress line and signals in lib/progress.py."""
+harness/mfu.py, the progress line and signals in harness/progress.py."""
 import contextlib
 import json
 import os
@@ -13,10 +13,10 @@ import uuid
 
 import torch
 
-from lib import run_tokenizer
-from lib.common import UserError, created_files
-from lib.device import device_memory
-from lib.files import atomic_write, make_out_dir
+from harness import run_tokenizer
+from harness.common import UserError, created_files
+from harness.device import device_memory
+from harness.files import atomic_write, make_out_dir
 
 
 def barrier(ddp):

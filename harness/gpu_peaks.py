@@ -1,4 +1,4 @@
-"""The datasheet peaks of GPUs, for MFU (lib/mfu.py imports this only on a CUDA device)."""
+"""The datasheet peaks of GPUs, for MFU (harness/mfu.py imports this only on a CUDA device)."""
 
 
 # Dense (no sparsity) peaks of one card from the vendors' datasheets, FLOP/s by the dtype that

@@ -1,4 +1,4 @@
-"""One user error under torchrun, said once (lib/common.excepthook imports this only there).
+"""One user error under torchrun, said once (harness/common.excepthook imports this only there).
 Imports nothing of the project."""
 import datetime
 import hashlib

@@ -1,14 +1,14 @@
 """The config parser, nanoGPT style: a script's module-level defaults, then config files (plain
 Python that assigns variables), then --key=value; a mistake is one line that names the key.
 Also the one seed rule every script checks its --seed against. Imports of the project only
-lib/common.py (UserError)."""
+harness/common.py (UserError)."""
 import ast
 import difflib
 import math
 import os
 import traceback
 
-from lib.common import UserError
+from harness.common import UserError
 
 SCALARS = (bool, int, float, str, type(None))
 

@@ -1,7 +1,7 @@
 """
 A run as a Hugging Face GPTNeoXForCausalLM folder's contents (export.py writes and checks them):
 config.json (`neox_config`), the weights (`neox_weights`), the tokenizer (`hf_tokenizer`,
-`tokenizer_config`), and the folder read back into lib/neox.py's float64 reference
+`tokenizer_config`), and the folder read back into formats/neox.py's float64 reference
 (`reference_logits`). The mapping in detail: docs/EXPORT.md.
 """
 import importlib
@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from lib import neox
-from lib.common import UserError
+from formats import neox
+from harness.common import UserError
 from model import ntk_base
 
 
@@ -167,17 +167,17 @@ NAMES = {"ln1": "input_layernorm", "qkv": "attention.query_key_value", "out": "a
 
 
 def reference_logits(folder, ids):
-    """lib/neox.py's forward of the folder as transformers reads it: config.json's fields
+    """formats/neox.py's forward of the folder as transformers reads it: config.json's fields
     (rope_parameters as transformers 5 reads them) and model.safetensors' tensors."""
     with open(os.path.join(folder, "config.json")) as f:
         conf = json.load(f)
     state = need("safetensors.torch").load_file(os.path.join(folder, "model.safetensors"))
     if conf["hidden_act"] != "gelu":
-        raise UserError(f"lib/neox.py computes exact GELU, not {conf['hidden_act']!r}")
+        raise UserError(f"formats/neox.py computes exact GELU, not {conf['hidden_act']!r}")
     rope = conf["rope_parameters"]
     kind, factor = rope.get("rope_type", "default"), rope.get("factor", 1.0)
     if kind not in ("default", "linear", "yarn"):
-        raise UserError(f"lib/neox.py does not compute rope_type {kind!r}")
+        raise UserError(f"formats/neox.py does not compute rope_type {kind!r}")
     head = conf["hidden_size"] // conf["num_attention_heads"]
     yarn = (rope.get("original_max_position_embeddings") or conf["max_position_embeddings"],
             rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)) if kind == "yarn" else None
