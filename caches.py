@@ -1,5 +1,5 @@
 """The decoding caches, one entry per layer: a softmax layer's keys and values (KVCache), a
-linear layer's recurrent state (RecurrentState). RoFormer.new_cache makes one, lib/decode.py
+linear layer's recurrent state (RecurrentState). RoFormer.new_cache makes one, decode.py
 passes it to each forward, and each layer updates its own entry with one call. Beside
 model.py, imports torch only."""
 import torch

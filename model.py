@@ -1,7 +1,7 @@
 """A decoder-only RoFormer: a GPT whose attention knows positions only through Rotary Position
 Embedding (RoPE, Su et al. 2021). 1. config, init; 2. RoPE; 3. linear attention (eq. 19); 4. the
 transformer. Beside it: baselines.py (other position encodings, behind two hooks), caches.py (the
-decoding caches, driven by lib/decode.py), model_checks.py (the config's rules)."""
+decoding caches, driven by decode.py), model_checks.py (the config's rules)."""
 import hashlib
 import math
 from collections import OrderedDict
@@ -346,7 +346,7 @@ class RoFormer(nn.Module):
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
         return baselines().position_bias(self, d, visible)
 
-    def new_cache(self, total_len, device, window=None):  # for lib/decode.py, which passes it
+    def new_cache(self, total_len, device, window=None):  # for decode.py, which passes it
         """to forward; window: how far back a query sees (None: the context window)."""
         from caches import KVCache, RecurrentState  # loaded only where a model decodes
         c, w = self.config, window or self.config.context_window

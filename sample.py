@@ -1,6 +1,6 @@
 """
 Sample text from a trained checkpoint, streamed to stdout as it is generated. The command line
-only: the run is loaded by harness/load.py and decoded by lib/decode.py.
+only: the run is loaded by harness/load.py and decoded by decode.py.
 
     python sample.py --out_dir=out-small
     python sample.py --out_dir=out-small --start="def main(" --num_samples=4 --max_new_tokens=200
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from lib import decode
+import decode
 from harness.common import UserError, cli
 from harness.config import check_seed, configure
 from harness.device import device_memory, pick_device

@@ -15,7 +15,7 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py, data/dataset.py, lib/optim.py (AdamW, Muon, their rules); the harness/:
+Elsewhere: model.py, data/dataset.py, optim.py (AdamW, Muon, their rules); the harness/:
 run.py (ids, out_dir, log.jsonl, preconditions), progress.py, mfu.py, build.py (the model),
 saving.py, config.py, device.py, common.py (one-line errors); when used, resume.py, parallel.py,
 wandb_run.py.
@@ -38,7 +38,7 @@ from harness.common import UserError
 from harness.config import check_seed, configure
 from harness.device import pick_device, pick_threads, placed
 from harness.progress import Progress, stop_on_signals
-from lib import optim
+import optim
 from model import RoFormerConfig
 
 sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`, exit 1
@@ -64,7 +64,7 @@ gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL proc
 # model: every field of RoFormerConfig with its default (model.py says what each one does)
 globals().update(dataclasses.asdict(RoFormerConfig()))
 vocab_size = 0               # 0: take it from the dataset's meta.json
-# optimizer: AdamW, or Muon (lib/optim.py) for the hidden matrices with AdamW for the rest
+# optimizer: AdamW, or Muon (optim.py) for the hidden matrices with AdamW for the rest
 optimizer = "adamw"          # "adamw" | "muon"
 muon_lr = 0.02
 muon_momentum = 0.95

@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from runs import finished, pyplot, read_log, save_figure, write_atomic  # noqa: E402
+from lab_runs import finished, pyplot, read_log, save_figure, write_atomic  # noqa: E402
 
 # variant name -> the train.py keys that define it; everything else is shared
 VARIANTS = {

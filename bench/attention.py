@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.decode import generate  # noqa: E402
+from decode import generate  # noqa: E402
 from model import RELATIVE, Attention, Positions, RoFormer, RoFormerConfig, rope_table  # noqa: E402
 
 LENGTHS = "512,1024,2048,4096,8192"

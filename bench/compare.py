@@ -62,8 +62,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import runs as bench_runs  # noqa: E402  (read_log, write_atomic: shared with ablation.py)
-from runs import (code_identity, iteration_of, last_error, materialise,  # noqa: E402
+import lab_runs as bench_runs  # noqa: E402  (read_log, write_atomic: shared with ablation.py)
+from lab_runs import (code_identity, iteration_of, last_error, materialise,  # noqa: E402
                   patched_code, revision_code, run_logged, worktree_code)
 from stats import mean_std, paired, t_cdf, t_quantile  # noqa: E402,F401  (tests check them here)
 from harness.common import UserError, cli  # noqa: E402

@@ -35,7 +35,7 @@ import study  # noqa: E402  (the run helpers: shared with context.py)
 from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_of,  # noqa: E402
                    passkey_corpus, sh, tag_rows, train)
 from stats import interval  # noqa: E402
-from runs import pyplot, save_figure, write_atomic  # noqa: E402
+from lab_runs import pyplot, save_figure, write_atomic  # noqa: E402
 from harness.common import UserError, cli  # noqa: E402
 
 DESIGNS = ("rope:;half:rotary_fraction=0.5;"

@@ -40,7 +40,7 @@ def worker(args, mode, out):
 
     from harness import build, parallel
     from model import RoFormerConfig
-    from lib.optim import build_optimizer
+    from optim import build_optimizer
     cuda = args["device"] == "cuda"
     rank = int(os.environ["RANK"])
     device = f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu"

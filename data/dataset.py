@@ -94,7 +94,7 @@ def open_dataset(dataset, data_dir, master, ddp, named=True):
             dist.barrier()
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
-        from data.common import prepare_command  # only now: it imports the corpus tools
+        from data.pipeline import prepare_command  # only now: it imports the corpus tools
         name = dataset if named or not data_dir else ""  # "": the user's text (data/text)
         what = f"dataset '{name}'" if name else "the dataset"
         raise UserError(f"{what} not found ({ddir} lacks {', '.join(missing)}); build it with: "

@@ -1,4 +1,4 @@
-"""bench/train.py --target (time to nanoGPT's final loss): a tiny run, its table checked
+"""bench/train_speed.py --target (time to nanoGPT's final loss): a tiny run, its table checked
 against the per-chunk log it prints, and reproducible from its seed."""
 import os
 import re
@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def target_run(text):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "train.py"), "--target=True",
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "train_speed.py"), "--target=True",
            f"--text={text}", "--target_iters=8", "--target_eval=2", "--target_batches=2",
            "--threads=1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -51,7 +51,7 @@ def test_time_to_target_table_matches_its_log(tmp_path):
 
 
 def test_missing_text_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train.py"), "--target=True",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"), "--target=True",
                         f"--text={tmp_path / 'nope.txt'}"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
@@ -64,8 +64,8 @@ def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
     fraction times each group's base_lr, which build_optimizer sets (muon_lr for Muon's
     groups, the recipe's rate for the rest)."""
     import numpy as np
-    monkeypatch.setattr(sys, "argv", ["bench/train.py", "--muon_lr=0.05"])
-    path = os.path.join(ROOT, "bench", "train.py")
+    monkeypatch.setattr(sys, "argv", ["bench/train_speed.py", "--muon_lr=0.05"])
+    path = os.path.join(ROOT, "bench", "train_speed.py")
     with open(path) as f:  # its definitions only: the script's modes run below them
         source = f.read().split('\nif args["plain_run"]:')[0]
     bench = {"__file__": path, "__name__": "bench_train"}

@@ -83,8 +83,8 @@ def test_compare_against_head_with_a_dirty_tree(tmp_path):
     patch = tmp_path / "bad.patch"
     patch.write_text("--- a/no_such_file.py\n+++ b/no_such_file.py\n@@ -1 +1 @@\n-a\n+b\n")
     data = os.path.join(str(tmp_path), "data")
-    from data import common
-    common.prepare(data, "tiny", [("docs", "docs", lambda: [t for _, t in corpus_docs()])],
+    from data import pipeline
+    pipeline.prepare(data, "tiny", [("docs", "docs", lambda: [t for _, t in corpus_docs()])],
                    "test", vocab_size=400, val_fraction=0.2, min_val_tokens=200, num_proc=1,
                    log=lambda *a: None)
     out = os.path.join(str(tmp_path), "out")
@@ -274,10 +274,10 @@ def test_a_finished_run_is_retrained_when_anything_that_decides_it_changed(tmp_p
 def test_data_identity_changes_with_the_data(tmp_path):
     """The held-out folder (part of every run's key) is another folder when the dataset's files
     change, not only its meta.json."""
-    from data import common
+    from data import pipeline
     from test_eval import corpus_docs
     src = str(tmp_path / "src")
-    common.prepare(src, "tiny", [("docs", "docs", lambda: [t for _, t in corpus_docs()])],
+    pipeline.prepare(src, "tiny", [("docs", "docs", lambda: [t for _, t in corpus_docs()])],
                    "test", vocab_size=400, val_fraction=0.2, min_val_tokens=200, num_proc=1,
                    log=lambda *a: None)
     args = compare.parse_args([f"--data_dir={src}", "--dataset=tiny", f"--out={tmp_path / 'o'}",

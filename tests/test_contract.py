@@ -9,7 +9,7 @@ also takes the --model overrides) that raises
 AssertionError naming the property; model_factory(cfg) builds the model (RoFormer, or one of
 the deliberately broken variants at the end, which prove each check can fail). The checks
 use the public API only: RoFormer(cfg), forward(idx, targets) -> (logits, loss), and the
-decoding primitives lib/decode.py drives (new_cache, prefill, the one-token step)."""
+decoding primitives decode.py drives (new_cache, prefill, the one-token step)."""
 import contextlib
 import dataclasses
 import io
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib import decode as decoding  # noqa: E402
+import decode as decoding  # noqa: E402
 import model as model_module  # noqa: E402
 from model import RoFormer  # noqa: E402
 
@@ -82,7 +82,7 @@ def max_diff(a, b):
 
 @torch.no_grad()
 def cached_logits(model, idx, split):
-    """Logits at positions split-1 .. T-1 as lib/decode.py computes them: the first split tokens
+    """Logits at positions split-1 .. T-1 as decode.py computes them: the first split tokens
     prefilled (in chunks of the context window), then the rest fed one token per cached step."""
     total = idx.size(1)
     cache = model.new_cache(total, idx.device)

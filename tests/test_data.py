@@ -20,7 +20,7 @@ import sentencepiece as spm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from data import common, documents, shared, workers  # noqa: E402
+from data import documents, pipeline, shared, workers  # noqa: E402
 
 OUTPUTS = ["train.bin", "val.bin", "tokenizer.model", "meta.json"]
 
@@ -88,7 +88,7 @@ def split_at_eos(ids, eos):
 
 
 def mem_sources(texts, name="mem"):
-    """Documents held in memory, as common.prepare takes them."""
+    """Documents held in memory, as pipeline.prepare takes them."""
     texts = list(texts)
     return [(name, "docs", lambda: texts)]
 
@@ -160,7 +160,7 @@ ROUND_TRIP = [
 def test_round_trip_and_byte_fallback(tmp_path, model_type):
     texts = make_corpus(tmp_path / "c")
     vocab = {"char": 0, "bpe": 400, "unigram": 320}[model_type]  # 0: one piece per character
-    common.prepare(str(tmp_path / "out"), "t", mem_sources(texts.values()), "test",
+    pipeline.prepare(str(tmp_path / "out"), "t", mem_sources(texts.values()), "test",
                    model_type=model_type,
                    vocab_size=vocab, min_val_tokens=50, val_fraction=0.2, log=lambda *a: None)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "out" / "tokenizer.model"))
@@ -184,7 +184,7 @@ def test_the_one_exception_u2581_decodes_as_space_and_is_reported(prepared, tmp_
     assert sp.decode(sp.encode("a\u2581b")) == "a b"
     logged = []
     inputs = mem_sources(texts.values()) + mem_sources(["x\u2581y " * 50], "odd")
-    common.prepare(str(tmp_path / "o"), "t", inputs, "test", vocab_size=400, min_val_tokens=50,
+    pipeline.prepare(str(tmp_path / "o"), "t", inputs, "test", vocab_size=400, min_val_tokens=50,
                    val_fraction=0.2, log=logged.append)
     assert any("U+2581" in line and "odd" in line for line in logged)
 
@@ -450,7 +450,7 @@ def test_interrupted_run_keeps_the_previous_outputs(prepared, tmp_path):
     for target in (out, tmp_path / "fresh"):
         reads["n"] = 0
         with pytest.raises(KeyboardInterrupt):
-            common.prepare(str(target), "x", [("m", "docs", exploding)], "test", vocab_size=400,
+            pipeline.prepare(str(target), "x", [("m", "docs", exploding)], "test", vocab_size=400,
                            min_val_tokens=50, val_fraction=0.2, num_proc=2, log=lambda *a: None)
         assert reads["n"] == 2
     assert sorted(os.listdir(out)) == sorted(OUTPUTS + ["tokenizer.vocab"])
@@ -481,11 +481,11 @@ def test_stdlib_collector_is_deterministic_and_finds_text():
 @pytest.mark.slow
 def test_stdlib_subset_prepares(tmp_path):
     """The default pipeline end to end on a slice of the stdlib (the full corpus is for
-    bench/prepare.py): code round-trips exactly through the .bin files."""
+    bench/prepare_speed.py): code round-trips exactly through the .bin files."""
     mod = load_script("pystdlib")
     inputs, _ = mod.stdlib_sources()
     inputs = [s for s in inputs if s[0].startswith(("stdlib/json/", "stdlib/a"))]
-    meta = common.prepare(str(tmp_path / "o"), "pystdlib", inputs, "subset", vocab_size=1024,
+    meta = pipeline.prepare(str(tmp_path / "o"), "pystdlib", inputs, "subset", vocab_size=1024,
                           min_val_tokens=500, undecodable="skip", log=lambda *a: None)
     texts = []
     for _, _, path in inputs:
@@ -585,7 +585,7 @@ def test_tokenizer_does_not_depend_on_the_machine(tmp_path, monkeypatch, model_t
         monkeypatch.setattr(workers, "default_num_proc", lambda: cores)
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         out = tmp_path / f"o{cores}"
-        common.prepare(str(out), "t", mem_sources(texts), "test", model_type=model_type,
+        pipeline.prepare(str(out), "t", mem_sources(texts), "test", model_type=model_type,
                        vocab_size=330, min_val_tokens=50, num_proc=n, log=lambda *a: None)
         models.append((out / "tokenizer.model").read_bytes())
     assert models[0] == models[1] == models[2]
@@ -627,7 +627,7 @@ def test_split_spreads_whole_documents_over_a_corpus_of_many(tmp_path):
     rng = random.Random(10)
     texts = [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(40)) for i in range(600)]
     out = tmp_path / "o"
-    meta = common.prepare(str(out), "t", mem_sources(texts), "test", vocab_size=400,
+    meta = pipeline.prepare(str(out), "t", mem_sources(texts), "test", vocab_size=400,
                           min_val_tokens=50, val_fraction=0.1, num_proc=1, log=lambda *a: None)
     assert check_split(out, texts, meta) <= 1
     sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
@@ -729,7 +729,7 @@ def test_streaming_paragraphs_match_the_reference_splitter(monkeypatch):
 PEAK_RSS_SCRIPT = r"""
 import os, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
-from data import common, sources
+from data import pipeline, sources
 peak = [0]
 def watch():  # the whole process tree's resident memory, sampled
     while True:
@@ -747,7 +747,7 @@ def watch():  # the whole process tree's resident memory, sampled
         time.sleep(0.05)
 threading.Thread(target=watch, daemon=True).start()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-common.prepare(sys.argv[3], "big", sources.file_sources([("big.txt", sys.argv[2])]), "test",
+pipeline.prepare(sys.argv[3], "big", sources.file_sources([("big.txt", sys.argv[2])]), "test",
                model_type="char", vocab_size=0, num_proc=int(sys.argv[4]),
                sample_bytes=500_000, log=lambda *a: None)
 print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak[0])
@@ -835,7 +835,7 @@ def test_an_empty_out_dir_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
     """--out_dir '' resolved to data/ itself: a dataset written into the package, beside its
     code. It is refused in one line, before the corpus is read; nothing appears."""
     make_corpus(tmp_path / "c", n_files=4)
-    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path / "repo_data"))
+    monkeypatch.setattr(pipeline, "DATA_DIR", str(tmp_path / "repo_data"))
     monkeypatch.chdir(tmp_path)
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(SystemExit) as e:
@@ -849,10 +849,10 @@ def test_out_dir_name_is_where_train_py_looks(tmp_path, monkeypatch):
     """--out_dir NAME writes data/NAME next to train.py (where --dataset=NAME reads) from any
     current folder; a path with a slash or an absolute one is taken as given. (DATA_DIR is
     moved under tmp_path here so the test writes nothing into the repo.)"""
-    assert common.DATA_DIR == os.path.join(REPO, "data")
-    assert os.path.isfile(os.path.join(os.path.dirname(common.DATA_DIR), "train.py"))
+    assert pipeline.DATA_DIR == os.path.join(REPO, "data")
+    assert os.path.isfile(os.path.join(os.path.dirname(pipeline.DATA_DIR), "train.py"))
     make_corpus(tmp_path / "c", n_files=4)
-    monkeypatch.setattr(common, "DATA_DIR", str(tmp_path / "repo_data"))
+    monkeypatch.setattr(pipeline, "DATA_DIR", str(tmp_path / "repo_data"))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -875,7 +875,7 @@ def test_log_says_how_many_workers_ran(tmp_path):
     texts = list(make_corpus(tmp_path / "c", n_files=4).values())
     for num_proc in (3, 1):
         logged = []
-        common.prepare(str(tmp_path / f"o{num_proc}"), "t", mem_sources(texts), "test",
+        pipeline.prepare(str(tmp_path / f"o{num_proc}"), "t", mem_sources(texts), "test",
                        vocab_size=350, min_val_tokens=20, num_proc=num_proc, log=logged.append)
         assert "with 1 worker process " in logged[-1], logged[-1]
 
@@ -932,7 +932,7 @@ def test_outputs_are_fsynced_before_their_rename_and_the_folder_after(tmp_path, 
     monkeypatch.setattr(os, "replace", replace)
     texts = list(make_corpus(tmp_path / "c", n_files=4).values())
     out = tmp_path / "out"
-    common.prepare(str(out), "t", mem_sources(texts), "test", vocab_size=350,
+    pipeline.prepare(str(out), "t", mem_sources(texts), "test", vocab_size=350,
                    min_val_tokens=20, num_proc=1, log=lambda *a: None)
     renames = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
     assert len(renames) == len(OUTPUTS) + 1  # each output (tokenizer.vocab included)
@@ -1084,7 +1084,7 @@ def test_tokenizer_option_tells_another_tokenizer_from_one_retrained(prepared, t
     ours = root / "out" / "tokenizer.model"
     lines = [line for t in make_corpus(tmp_path / "b", seed=1).values() for line in
              t.split("\n") if line.strip()]
-    other = common.train_tokenizer(lines, 400, "unigram")[0]
+    other = pipeline.train_tokenizer(lines, 400, "unigram")[0]
 
     def refusal(run, recorded):
         (tmp_path / run).mkdir(exist_ok=True)
@@ -1194,12 +1194,12 @@ def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
 # ----------------------------------------------------------------------------- progress
 
 def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
-    """Issue 45: bench/optim.py timed its steps for minutes in silence. data/shared.py's tqdm
+    """Issue 45: bench/adamw_vs_muon.py timed its steps for minutes in silence. data/shared.py's tqdm
     (eval.py's too) prints, under a pipe or a file, plain lines with the time left."""
     monkeypatch.setattr(shared, "LINE_EVERY", 0.0, raising=False)  # a line at every step
     monkeypatch.setattr(sys, "argv", ["optim.py", "--time_steps=1"])
     spec = importlib.util.spec_from_file_location("bench_optim",
-                                                  os.path.join(REPO, "bench", "optim.py"))
+                                                  os.path.join(REPO, "bench", "adamw_vs_muon.py"))
     optim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(optim)
     tiny = dict(n_layer=1, n_head=2, n_embd=32, block_size=8, batch_size=2)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from lib.decode import generate, generate_stream  # noqa: E402
+from decode import generate, generate_stream  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 
@@ -102,7 +102,7 @@ PEAK_RSS = """
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 from model import RoFormer, RoFormerConfig
-from lib.decode import generate
+from decode import generate
 torch.set_num_threads(1)
 torch.manual_seed(0)
 m = RoFormer(RoFormerConfig(vocab_size=61, block_size=64, n_layer=2, n_head=2, n_embd=16)).eval()
@@ -214,7 +214,7 @@ def test_compile_leaves_no_jit_deprecation_warnings():
     assert [str(w.message) for w in seen] == ["still shown"]
 
 
-PACKAGES = ("lib", "harness", "formats")
+PACKAGES = ("harness", "formats")
 
 
 def imported_modules(path):
@@ -232,8 +232,8 @@ def imported_modules(path):
 
 
 def test_sample_py_is_a_script_that_nothing_imports():
-    """sample.py is the command line only: no project module (lib/, the scripts, bench/) imports
-    it, since the decoding is lib/decode.py and the run loader harness/load.py; and the decoding
+    """sample.py is the command line only: no project module (harness/, formats/, the scripts, bench/) imports
+    it, since the decoding is decode.py and the run loader harness/load.py; and the decoding
     needs nothing of the project past the model's caches (no loader, no tokenizer, no
     checkpoint)."""
     importers = []
@@ -247,7 +247,7 @@ def test_sample_py_is_a_script_that_nothing_imports():
                       if name.endswith(".py") and
                       "sample" in imported_modules(os.path.join(folder, name))]
     assert importers == [], f"these import sample.py, a script: {importers}"
-    used = {m for m in imported_modules(os.path.join(ROOT, "lib", "decode.py"))
+    used = {m for m in imported_modules(os.path.join(ROOT, "decode.py"))
             if m.split(".")[0] != "torch"}
     assert "caches" in used and used <= {"caches", "model", "harness.common"}, used
 

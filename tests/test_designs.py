@@ -24,12 +24,12 @@ TINY = (f"--n_layer=2 --n_head=2 --n_embd=32 --batch_size={BATCH} --eval_iters=1
 def corpus(folder):
     """Documents of 60-200 short lines of code-like words: long enough for held-out documents
     of 160 tokens and fine-tune documents of 4B = 64 tokens."""
-    from data import common
+    from data import pipeline
     rng = random.Random(0)
     words = "def return self value data model token import print class list error".split()
     docs = ["\n".join(f"{rng.choice(words)} = {rng.choice(words)}({rng.randint(0, 9)})"
                       for _ in range(rng.randint(60, 200))) for _ in range(30)]
-    common.prepare(folder, "tiny", [("docs", "docs", lambda: docs)], "test", vocab_size=300,
+    pipeline.prepare(folder, "tiny", [("docs", "docs", lambda: docs)], "test", vocab_size=300,
                    val_fraction=0.3, min_val_tokens=4 * B, num_proc=1, log=lambda *a: None)
     return folder
 

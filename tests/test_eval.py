@@ -3,7 +3,7 @@ eval.py against independent references: the sliding window's coverage checked ta
 target, and the reported loss against a naive loop that runs the model once per scored token
 on exactly the context the window rule gives it (a closed form, not eval.py's loop). Also the
 shared loader's one-line errors (harness/load.py). The run here is trained for a few steps with
-the real train.py on a corpus built with data/common.py, so its tokenizer has the settings of
+the real train.py on a corpus built with data/pipeline.py, so its tokenizer has the settings of
 every real run (identity normalisation, no dummy prefix, byte fallback, "\\n" piece).
 test_export.py reuses `make_run`.
 """
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import eval as evalpy  # noqa: E402
-from data import common  # noqa: E402
+from data import pipeline  # noqa: E402
 from harness.common import UserError  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
@@ -52,11 +52,11 @@ def corpus_docs(n_docs=24, seed=0):
 
 
 def make_run(root, iters=30, vocab_size=400, **train_args):
-    """data/ (via data/common.prepare) and out/ (train.py, a few steps) under root; returns
+    """data/ (via data/pipeline.prepare) and out/ (train.py, a few steps) under root; returns
     (out_dir, data_dir)."""
     data, out = os.path.join(root, "data"), os.path.join(root, "out")
     texts = [t for _, t in corpus_docs()]
-    common.prepare(data, "tiny", [("docs", "docs", lambda: texts)], "test",
+    pipeline.prepare(data, "tiny", [("docs", "docs", lambda: texts)], "test",
                    vocab_size=vocab_size, val_fraction=0.2, min_val_tokens=3 * BLOCK,
                    num_proc=1, log=lambda *a: None)
     args = dict(n_layer=2, n_head=2, n_embd=32, block_size=BLOCK, batch_size=8, max_iters=iters,
@@ -239,7 +239,7 @@ def test_loader_errors(run, tmp_path):
     assert "do not fit" in err(f"--out_dir={tmp_path / 'shape'}", *a)
     other = tmp_path / "other.model"
     lines = [t for _, t in corpus_docs(4, seed=3)]
-    other.write_bytes(common.train_tokenizer(lines, 350, "bpe")[0])
+    other.write_bytes(pipeline.train_tokenizer(lines, 350, "bpe")[0])
     assert "does not match" in err(f"--out_dir={run['out']}", *a, f"--tokenizer={other}")
 
 
@@ -440,7 +440,7 @@ def another_corpus_in_data_dataset(tmp_path, monkeypatch):
     from harness import run_tokenizer
     repo = tmp_path / "repo"
     texts = [t for _, t in corpus_docs(12, seed=11)]
-    common.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
+    pipeline.prepare(str(repo / "data" / "tiny"), "tiny", [("d", "docs", lambda: texts)], "test",
                    vocab_size=350, val_fraction=0.3, min_val_tokens=20, num_proc=1,
                    log=lambda *a: None)
     monkeypatch.setattr(run_tokenizer, "REPO", str(repo))
@@ -540,7 +540,7 @@ def test_a_run_needs_nothing_outside_its_folder(run, capsys, tmp_path):
         return text, scores, files
     before = results(tmp_path / "hf0")
     texts = [t for _, t in corpus_docs(12, seed=11)]
-    common.prepare(str(data), "tiny", [("d", "docs", lambda: texts)], "test", vocab_size=350,
+    pipeline.prepare(str(data), "tiny", [("d", "docs", lambda: texts)], "test", vocab_size=350,
                    val_fraction=0.3, min_val_tokens=20, num_proc=1, log=lambda *a: None)
     assert (data / "tokenizer.model").read_bytes() != tok
     assert results(tmp_path / "hf1") == before
@@ -548,7 +548,7 @@ def test_a_run_needs_nothing_outside_its_folder(run, capsys, tmp_path):
     assert results(tmp_path / "hf2") == before
     # a new corpus for the run's tokenizer, and a run that starts from its weights
     texts = [t for _, t in corpus_docs(24, seed=12)]
-    common.prepare(str(tmp_path / "b"), "b", [("d", "docs", lambda: texts)], "test",
+    pipeline.prepare(str(tmp_path / "b"), "b", [("d", "docs", lambda: texts)], "test",
                    val_fraction=0.2, min_val_tokens=3 * BLOCK, num_proc=1, tokenizer=str(out),
                    log=lambda *a: None)
     assert (tmp_path / "b" / "tokenizer.model").read_bytes() == tok

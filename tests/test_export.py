@@ -31,7 +31,7 @@ transformers = pytest.importorskip("transformers", reason="the exported folder i
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
-from lib import decode as decoding  # noqa: E402
+import decode as decoding  # noqa: E402
 from harness import load as loader  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_eval import (BLOCK, corpus_docs, make_run, naive_nats, one_line_error,  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from lib.optim import build_optimizer  # noqa: E402
+from optim import build_optimizer  # noqa: E402
 from test_train import (TINY, env, load, log, make_data, max_diff, torchrun, train,  # noqa: E402
                         train_here)
 

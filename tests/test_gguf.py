@@ -27,7 +27,7 @@ spm = pytest.importorskip("sentencepiece")
 gguf = pytest.importorskip("gguf", reason="export.py --gguf writes with the gguf package")
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
-from lib import decode as decoding  # noqa: E402
+import decode as decoding  # noqa: E402
 from formats import gguf as gguf_export  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402

@@ -1,12 +1,13 @@
-"""The import layering (docs/DESIGN.md): model.py at the bottom, the packages above it (lib/, the
-harness/ that prepares and guards a run, the export formats/), data/ above them, the scripts on
-top. Read from the source with ast (every import, lazy ones too), so a
-circle or an arrow that runs back down shows here before it shows as an ImportError."""
+"""The import layering (docs/DESIGN.md): model.py at the bottom, the core beside it (decode.py,
+optim.py, muon.py), the packages above them (the harness/ that prepares and guards a run, the
+export formats/), data/ above them, the scripts on top. Read from the source with ast (every
+import, lazy ones too), so a circle or an arrow that runs back down shows here before it shows
+as an ImportError."""
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("lib", "harness", "formats")  # below data/ and the scripts
+PACKAGES = ("harness", "formats")  # below data/ and the scripts
 
 
 def module_name(path):
@@ -14,7 +15,8 @@ def module_name(path):
 
 
 def project_modules():
-    files = [REPO / f"{name}.py" for name in ("model", "model_checks", "baselines", "caches")]
+    files = [REPO / f"{name}.py" for name in ("model", "model_checks", "baselines", "caches",
+                                              "decode", "optim", "muon")]
     for package in (*PACKAGES, "data"):
         files += sorted((REPO / package).glob("*.py"))
     return {module_name(f): f for f in files if f.name != "__init__.py"}

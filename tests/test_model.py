@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lib.optim import build_optimizer  # noqa: E402
+from optim import build_optimizer  # noqa: E402
 from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_table  # noqa
-from lib.decode import generate, sample_next  # noqa: E402
+from decode import generate, sample_next  # noqa: E402
 
 POS_ENCODINGS = ["rope", "learned", "sinusoidal", "none"]
 # The message of the tests that pin today's architecture (the float64 reference model, the
@@ -516,10 +516,10 @@ def test_learned_positions_decode_a_full_block_prompt_and_one_token():
 
 def test_the_longest_input_is_one_rule_the_callers_share():
     """Issue 36: RoFormerConfig.max_positions is where learned positions end, the rows of wpe
-    (the reference); forward and lib/decode.check_request accept exactly that many positions
+    (the reference); forward and decode.check_request accept exactly that many positions
     and refuse one more in one line naming block_size; the encodings whose tables grow have
     no end (here, three times block_size)."""
-    from lib.decode import check_request
+    from decode import check_request
     for pe in POS_ENCODINGS + ["t5"]:
         m = tiny(pos_encoding=pe, block_size=8)
         limit = m.config.max_positions

@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 from baselines import alibi_slopes, shaw_bias, t5_bucket  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from test_model import cached_logits  # noqa: E402
-from lib.decode import generate  # noqa: E402
+from decode import generate  # noqa: E402
 
 RELATIVE = ["shaw", "t5", "alibi"]
 

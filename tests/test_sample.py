@@ -1,6 +1,6 @@
 """
 sample.py against independent references: the full-sequence decode of the tokens that
-lib.decode.generate returns with the same seed, the uncached loop, and sentencepiece's own decode
+decode.generate returns with the same seed, the uncached loop, and sentencepiece's own decode
 of random id sequences. The checkpoints are made here by training a few steps with the real
 train.py on a tiny corpus and a tiny sentencepiece tokenizer built in the test.
 """
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 spm = pytest.importorskip("sentencepiece")
 import sample  # noqa: E402
-from lib import decode as decoding  # noqa: E402
+import decode as decoding  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 
 BLOCK = 32
@@ -110,7 +110,7 @@ def err(capsys, *args):
 
 
 def reference(out_dir, prompt_ids, n, seed, num_samples=1, **kw):
-    """Tokens from lib.decode.generate (not the stream) with sample.py's seeding, each row cut at
+    """Tokens from decode.generate (not the stream) with sample.py's seeding, each row cut at
     the first end-of-document token, decoded in one go."""
     ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
     args = dict(ckpt["model_args"], **{k: kw.pop(k) for k in ("rope_scaling", "rope_factor",
@@ -204,7 +204,7 @@ def test_cached_equals_uncached_inside_block(ws, capsys, tmp_path, attention, te
 @pytest.mark.parametrize("attention", ["softmax", "linear"])
 def test_stream_equals_decode_of_generated_tokens(ws, capsys, attention):
     """Unicode prompt, high temperature (byte pieces come out), three samples in one batch:
-    each printed sample is the one-shot decode of the tokens lib.decode.generate draws with the
+    each printed sample is the one-shot decode of the tokens decode.generate draws with the
     same seed, cut at the end-of-document token."""
     sp, prompt = ws["sp"], "naïve 世界 🙂 λ"
     out = run(capsys, "--out_dir=" + ws[attention], f"--start={prompt}", "--max_new_tokens=40",
@@ -407,7 +407,7 @@ def test_argument_errors(ws, capsys, tmp_path):
 
 def test_sampling_arguments_are_checked_by_generate_before_loading(ws, capsys, tmp_path,
                                                                     monkeypatch):
-    """One rule for temperature/top_k/top_p (lib.decode.check_sampling), applied before the
+    """One rule for temperature/top_k/top_p (decode.check_sampling), applied before the
     checkpoint loads: its one-line message reaches the user even with no checkpoint at all."""
     missing = f"--out_dir={tmp_path / 'nope'}"
     assert "temperature" in err(capsys, missing, "--temperature=-1")
@@ -527,5 +527,5 @@ def test_sampling_imports_no_training_code():
     assert r.returncode == 0, r.stderr
     imported = set(r.stdout.split())
     assert {"harness.load", "harness.checkpoint"} <= imported
-    for training_only in ("harness.saving", "lib.optim", "harness.run", "harness.progress"):
+    for training_only in ("harness.saving", "optim", "harness.run", "harness.progress"):
         assert importlib.util.find_spec(training_only) and training_only not in imported

@@ -207,13 +207,13 @@ def imported_by_run(*args):
 
 # module -> a flag whose path needs it (None: torchrun's, a GPU's): a plain one-process run
 # never runs it, so never imports it (issue 36: the lines of project code a run imports)
-OPTIONAL_MODULES = {"lib.muon": "--optimizer=muon", "harness.torchrun_errors": None,
+OPTIONAL_MODULES = {"muon": "--optimizer=muon", "harness.torchrun_errors": None,
                     "harness.gpu_peaks": None, "baselines": "--pos_encoding=learned"}
 
 
 def test_a_plain_run_imports_no_optional_module(data, tmp_path):
     plain = imported_by_run(f"--data_dir={data}", f"--out_dir={tmp_path / 'plain'}")
-    assert "lib.optim" in plain and not plain & set(OPTIONAL_MODULES)
+    assert "optim" in plain and not plain & set(OPTIONAL_MODULES)
     for module, flag in OPTIONAL_MODULES.items():  # and the path that needs one imports it
         assert importlib.util.find_spec(module)
         assert not flag or module in imported_by_run(f"--data_dir={data}",

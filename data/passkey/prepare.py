@@ -21,7 +21,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data import common  # noqa: E402
+from data import pipeline  # noqa: E402
 from data.pystdlib.prepare import pydoc_topics  # noqa: E402
 from harness.common import UserError  # noqa: E402
 
@@ -103,13 +103,13 @@ def documents(n_docs, min_len, max_len, seed, keys=1):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out_dir", default="passkey", help=common.OUT_DIR_HELP)
+    p.add_argument("--out_dir", default="passkey", help=pipeline.OUT_DIR_HELP)
     p.add_argument("--docs", type=int, default=20000, help="how many documents")
     p.add_argument("--min_len", type=int, default=50, help="filler words in a document, at least")
     p.add_argument("--max_len", type=int, default=400, help="filler words in a document, at most")
     p.add_argument("--keys", type=int, default=1, help="labelled keys in a document, at most "
                    "(1: today's single unlabelled key)")
-    common.add_arguments(p, vocab_size=1024)  # its --seed also draws the documents
+    pipeline.add_arguments(p, vocab_size=1024)  # its --seed also draws the documents
     args = p.parse_args(argv)
 
     def body(_):
@@ -118,9 +118,9 @@ def main(argv=None):
         check_keys(args.keys)
         docs = [("passkey", "docs", lambda: documents(args.docs, args.min_len, args.max_len,
                                                       args.seed, args.keys))]
-        return common.prepare(common.resolve_out_dir(args.out_dir), "passkey", docs,
-                              f"{args.docs} passkey documents", **common.prepare_options(args))
-    return common.run(body, argv)
+        return pipeline.prepare(pipeline.resolve_out_dir(args.out_dir), "passkey", docs,
+                                f"{args.docs} passkey documents", **pipeline.prepare_options(args))
+    return pipeline.run(body, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 import sysconfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data import common  # noqa: E402
+from data import pipeline  # noqa: E402
 # Folders inside the stdlib that are not the stdlib: installed packages and bytecode caches.
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -46,16 +46,16 @@ def pydoc_topics():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out_dir", default="pystdlib",
-                   help=f"default: data/pystdlib; {common.OUT_DIR_HELP}")
+                   help=f"default: data/pystdlib; {pipeline.OUT_DIR_HELP}")
     p.add_argument("--model_type", choices=["bpe", "unigram", "char"], help="default bpe")
-    common.add_arguments(p)
+    pipeline.add_arguments(p)
     args = p.parse_args(argv)
 
     def body(_):
         sources, source = stdlib_sources()
-        return common.prepare(common.resolve_out_dir(args.out_dir), "pystdlib", sources, source,
-                              undecodable="skip", **common.prepare_options(args))
-    return common.run(body, argv)
+        return pipeline.prepare(pipeline.resolve_out_dir(args.out_dir), "pystdlib", sources, source,
+                                undecodable="skip", **pipeline.prepare_options(args))
+    return pipeline.run(body, argv)
 
 
 if __name__ == "__main__":

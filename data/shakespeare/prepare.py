@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data import common  # noqa: E402
+from data import pipeline  # noqa: E402
 from harness.common import REPO, UserError  # noqa: E402
 from harness.files import atomic_write  # noqa: E402
 from data.sources import file_sources, find_files  # noqa: E402
@@ -42,25 +42,25 @@ def main(argv=None):
     p.add_argument("--char", action="store_true", help="character-level tokenizer")
     p.add_argument("--out_dir", default=None,
                    help=f"default: data/shakespeare, or data/shakespeare_char with --char; "
-                        f"{common.OUT_DIR_HELP}")
-    common.add_arguments(p, vocab_size=2048, val_fraction=0.1)
+                        f"{pipeline.OUT_DIR_HELP}")
+    pipeline.add_arguments(p, vocab_size=2048, val_fraction=0.1)
     p.add_argument("--timeout", type=float, default=10.0, help="download timeout, seconds")
     args = p.parse_args(argv)
 
     def body(_):
         name = "shakespeare_char" if args.char else "shakespeare"
-        out_dir = common.resolve_out_dir(name if args.out_dir is None else args.out_dir)
+        out_dir = pipeline.resolve_out_dir(name if args.out_dir is None else args.out_dir)
         path = args.input
         if path is None:
             path = os.path.join(REPO, "data", "shakespeare", "input.txt")
             if not os.path.exists(path):
                 download(path, args.timeout)
-        options = common.prepare_options(args)
+        options = pipeline.prepare_options(args)
         if args.char:
             options.update(vocab_size=0, model_type="char")  # every character seen + bytes
-        return common.prepare(out_dir, name, file_sources(find_files([path])),
-                              os.path.abspath(path), **options)
-    return common.run(body, argv)
+        return pipeline.prepare(out_dir, name, file_sources(find_files([path])),
+                                os.path.abspath(path), **options)
+    return pipeline.run(body, argv)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from data import common  # noqa: E402
+from data import pipeline  # noqa: E402
 from data.sources import file_sources, find_files  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or folders")
-    p.add_argument("--out_dir", default="text", help=f"default: data/text; {common.OUT_DIR_HELP}")
+    p.add_argument("--out_dir", default="text", help=f"default: data/text; {pipeline.OUT_DIR_HELP}")
     p.add_argument("--ext", nargs="*", default=None, metavar="EXT",
                    help="only files in folders whose names end so (e.g. .py .jsonl.gz); "
                         "default: all")
@@ -33,19 +33,19 @@ def main(argv=None):
                    help="a text file that is not UTF-8, or a JSON/parquet record without a "
                         "string --text_field, stops the run (fail) or is left out (skip); a "
                         "file none of whose records has the field stops it either way")
-    common.add_arguments(p, vocab_size=None)
+    pipeline.add_arguments(p, vocab_size=None)
     args = p.parse_args(argv)
 
     def body(_):
         sources = file_sources(find_files(args.input, args.ext))
-        options = common.prepare_options(args)
+        options = pipeline.prepare_options(args)
         if options["vocab_size"] is None:  # 0: sized by the characters seen
             options["vocab_size"] = 0 if args.model_type == "char" else 4096
-        out_dir = common.resolve_out_dir(args.out_dir)
-        return common.prepare(out_dir, os.path.basename(out_dir), sources,
-                              " ".join(os.path.abspath(x) for x in args.input),
-                              text_field=args.text_field, undecodable=args.undecodable, **options)
-    return common.run(body, argv)
+        out_dir = pipeline.resolve_out_dir(args.out_dir)
+        return pipeline.prepare(out_dir, os.path.basename(out_dir), sources,
+                                " ".join(os.path.abspath(x) for x in args.input),
+                                text_field=args.text_field, undecodable=args.undecodable, **options)
+    return pipeline.run(body, argv)
 
 
 if __name__ == "__main__":

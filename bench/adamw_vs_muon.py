@@ -4,9 +4,9 @@ swept for both, three seeds at each one's best rate, on two corpora; val loss at
 point and at the end; and the cost of a step.
 
     python data/text/prepare.py --input /usr/share/vim/vim90/doc --ext .txt --out_dir data/vimdoc
-    python bench/optim.py                                   # the table in docs/OPTIM.md
-    python bench/optim.py --datasets=pystdlib --iters=100   # quicker
-    python bench/optim.py --step_cost=True --threads=2      # only the cost of a step
+    python bench/adamw_vs_muon.py                                   # the table in docs/OPTIM.md
+    python bench/adamw_vs_muon.py --datasets=pystdlib --iters=100   # quicker
+    python bench/adamw_vs_muon.py --step_cost=True --threads=2      # only the cost of a step
 
 Every run is `python train.py config/small.py` with the overrides printed above the tables
 (one training at a time, --threads torch threads each). A sweep per corpus: AdamW at each rate
@@ -121,7 +121,7 @@ def step_cost(shape):
     step so the shared machine's load hits all alike; bf16 autocast where the CPU has it
     natively, as train.py's auto dtype does."""
     from model import RoFormer, RoFormerConfig
-    from lib.optim import build_optimizer
+    from optim import build_optimizer
     torch.set_num_threads(args["threads"])
     torch.manual_seed(0)
     T, B = shape["block_size"], shape["batch_size"]

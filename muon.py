@@ -1,5 +1,5 @@
 """
-optimizer=muon (imported only then, by lib/optim.build_optimizer): Muon for the hidden matrices,
+optimizer=muon (imported only then, by optim.build_optimizer): Muon for the hidden matrices,
 paired with AdamW for the rest and stepped and checkpointed with it as one optimizer.
 """
 import math

@@ -3,13 +3,13 @@ Training throughput of config/small.py's model: tokens/s and MFU, eager vs torch
 float32 vs bf16 autocast, RoPE vs learned absolute positions, all in one run so the ratios
 are comparable (timings on a shared machine are noisy; read the ratios).
 
-    python bench/train.py                    # CPU, config/small.py's shape
-    python bench/train.py --steps=20 --compile=False
-    python bench/train.py --overhead=True    # train.py's step vs a nanoGPT-equivalent one
-    python bench/train.py --whole=True       # the whole 300-iteration command, both ways
-    python bench/train.py --profile=True     # torch.profiler: what train.py adds per step
-    python bench/train.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
-    python bench/train.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
+    python bench/train_speed.py                    # CPU, config/small.py's shape
+    python bench/train_speed.py --steps=20 --compile=False
+    python bench/train_speed.py --overhead=True    # train.py's step vs a nanoGPT-equivalent one
+    python bench/train_speed.py --whole=True       # the whole 300-iteration command, both ways
+    python bench/train_speed.py --profile=True     # torch.profiler: what train.py adds per step
+    python bench/train_speed.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
+    python bench/train_speed.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
 
 MFU is model FLOPs (harness.mfu.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
@@ -30,7 +30,7 @@ every round), --steps steps each with the first --warmup dropped; medians and pe
 to (1) are reported. (2)/(1): RoPE, (3)/(2): train.py's loop.
 --whole=True: wall time of `python train.py` for --iters iterations (evaluating at 0,
 --eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
-them) against `python bench/train.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
+them) against `python bench/train_speed.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
 the same evaluations and checkpoint writes; alternated over --rounds rounds.
 --profile=True: torch.profiler over --steps iterations of train.py and of the plain loop on
 our RoFormer (RoPE): per-iteration CPU time by op for each, and the ops where they differ.
@@ -69,7 +69,7 @@ from harness.common import UserError  # noqa: E402
 from harness.config import configure  # noqa: E402
 from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from lib.optim import build_optimizer  # noqa: E402
+from optim import build_optimizer  # noqa: E402
 
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
             "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5, "whole": False,

@@ -3,7 +3,7 @@ Decoding, for sample.py, bench/ and the tests: prefill the prompt into the cache
 one token per step against it (eager, or one static compiled graph), a sliding window past the
 context window, and sampling.
 
-    from lib.decode import generate
+    from decode import generate
     out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
 """
 import torch

@@ -1,5 +1,5 @@
 """
-The optimizer: AdamW, or Muon (lib/muon.py, imported only for optimizer=muon) for the hidden
+The optimizer: AdamW, or Muon (muon.py, imported only for optimizer=muon) for the hidden
 matrices with AdamW for the rest, and their rules. Every parameter group carries "base_lr", its
 peak rate (learning_rate, or muon_lr): train.py sets each group's lr to that times the
 schedule's fraction, so Muon's groups follow the same warmup and decay.
@@ -13,7 +13,7 @@ from harness.device import native_bf16
 def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
           exclude=()):
     """AdamW with weight decay on matrices (linears, embeddings) only, not on norms or biases;
-    parameters in `exclude` (ids) are left to another optimizer (lib/muon.py's Muon). Every
+    parameters in `exclude` (ids) are left to another optimizer (muon.py's Muon). Every
     group carries "base_lr", its peak rate: train.py sets lr to that times the schedule."""
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in exclude]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -60,7 +60,7 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     check(name, fsdp)
     if name == "adamw":
         return adamw(model, learning_rate, weight_decay, betas, device_type)
-    from lib.muon import Muon, MuonAdamW  # only for optimizer=muon
+    from muon import Muon, MuonAdamW  # only for optimizer=muon
     hidden = [m.weight for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
     # Muon's decoupled weight decay shrinks by muon_lr x weight_decay per step, as AdamW's
     # does by lr x weight_decay.
