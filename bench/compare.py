@@ -135,9 +135,8 @@ def run_threads():
     tokens/s ratios compare thread counts."""
     if os.environ.get("OMP_NUM_THREADS"):
         return os.environ["OMP_NUM_THREADS"]
-    from harness.device import busy_cores, fewer_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    busy = busy_cores()
+    from harness.device import busy_cores, fewer_threads, usable_cores
+    cores, busy = usable_cores(), busy_cores()
     return str(fewer_threads(cores, cores, busy or 0) if cores else 1)
 
 

@@ -92,6 +92,11 @@ def fewer_threads(default, cores, busy):
     return max(1, min(default, cores - busy))
 
 
+def usable_cores():
+    """The cores this process may run on (its affinity where the OS says, else all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def pick_threads(device_type):
     """(torch threads this run computes with, a note saying why fewer than torch's default, or
     None). Only a CPU run of one process on the machine whose user did not choose: an
@@ -101,8 +106,7 @@ def pick_threads(device_type):
     if (device_type != "cpu" or "OMP_NUM_THREADS" in os.environ
             or int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1):
         return n, None
-    busy = busy_cores()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busy, cores = busy_cores(), usable_cores()
     if busy is None or not cores:
         return n, None
     want = fewer_threads(n, cores, busy)
