@@ -1,7 +1,7 @@
 """
 Decoding, for sample.py, bench/ and the tests: prefill the prompt into the cache, then
 one token per step against it (eager, or one static compiled graph), a sliding window past the
-context window, and sampling.
+context window, sampling, and the tokens streamed as text (TextStream).
 
     from decode import generate
     out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
@@ -149,3 +149,35 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None
     new = list(generate_stream(model, idx, max_new_tokens, temperature, top_k, top_p,
                                use_cache, generator, compile, vocab_limit))
     return torch.cat([idx] + new, dim=1)
+
+
+class TextStream:
+    """Token ids in, printable text out, so that the concatenation of everything returned
+    equals sp.decode(all ids).
+
+    Decoding token by token is wrong twice over: a character outside the vocabulary arrives
+    as several byte tokens (each alone decodes to U+FFFD), and sentencepiece drops the space
+    of a word-initial piece at the start of a decode. So we decode a short window that starts
+    one emission back: the window's first piece is already printed, and only the text past it
+    is new. If the window ends in U+FFFD (a character still incomplete), we wait for more."""
+
+    def __init__(self, sp):
+        self.sp, self.ids, self.text = sp, [], ""
+        self.start = self.read = 0  # window start; end of the ids already printed
+
+    def push(self, ids):
+        self.ids.extend(ids)
+        old = self.sp.decode(self.ids[self.start:self.read])
+        new = self.sp.decode(self.ids[self.start:])
+        if len(new) <= len(old) or new.endswith("\ufffd") or not new.startswith(old):
+            return ""
+        self.start, self.read = self.read, len(self.ids)
+        self.text += new[len(old):]
+        return new[len(old):]
+
+    def flush(self):
+        """What is still held back (invalid bytes that will never complete)."""
+        full = self.sp.decode(self.ids)
+        rest = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += rest
+        return rest

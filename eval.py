@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.dataset import load_meta, open_split
+from harness.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
-from data.shared import tqdm
 from data.sources import file_sources, find_files
+from harness import bars
 from harness.common import UserError, cli
 from harness.config import configure
 from harness.device import device_memory, pick_device
@@ -88,7 +88,7 @@ def score(model, seqs, stride, batch_size, window=None, band=None):
     dev = next(model.parameters()).device
     jobs = [(s, w) for s in seqs for w in windows(len(s), window, stride)]
     nats, count = 0.0, 0
-    bar = tqdm(total=len(jobs), desc="eval", unit="window")
+    bar = bars.bar(total=len(jobs), desc="eval", unit="window")
     for i in range(0, len(jobs), batch_size):
         x = torch.zeros(len(jobs[i:i + batch_size]), window, dtype=torch.long)
         y = torch.full_like(x, -1)  # -1: padding and already-scored targets, ignored
@@ -123,7 +123,7 @@ def read_inputs(paths, field_spec):
 
 
 def own_split(ckpt, split_name):
-    """The run's own val.bin or train.bin, read through data/dataset.py's checks."""
+    """The run's own val.bin or train.bin, read through harness/dataset.py's checks."""
     try:
         ddir = dataset_dir(ckpt)
     except UserError as e:

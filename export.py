@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from data.dataset import open_split
+from harness.dataset import open_split
 from formats import hf as hf_files, neox
 from harness.common import UserError, cli
 from harness.config import configure

@@ -6,9 +6,6 @@ schedule's fraction, so Muon's groups follow the same warmup and decay.
 """
 import torch
 
-from harness.common import UserError
-from harness.device import native_bf16
-
 
 def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
           exclude=()):
@@ -28,11 +25,12 @@ def adamw(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type
 
 
 def check(name, fsdp=False):
-    """The optimizer's own refusals, before anything is built (train.py, build_optimizer)."""
+    """The optimizer's own refusals, before anything is built (harness/start.py, which makes
+    them one-line errors, and build_optimizer): ValueError, as model.py's."""
     if name not in ("adamw", "muon"):
-        raise UserError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
+        raise ValueError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
     if fsdp and name == "muon":
-        raise UserError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
+        raise ValueError("optimizer=muon does not work with fsdp=True: FSDP's sharded (DTensor) "
                         "optimizer state is supported for AdamW only; use DDP or optimizer=adamw")
 
 
@@ -41,7 +39,7 @@ def training_dtype(name, dtype, asked):
     bf16), and refuses a float16 that was asked for."""
     if name == "muon" and dtype == "float16":
         if asked != "auto":
-            raise UserError("optimizer=muon does not work with dtype=float16 (the GradScaler "
+            raise ValueError("optimizer=muon does not work with dtype=float16 (the GradScaler "
                             "steps one torch optimizer, not Muon paired with AdamW): use "
                             "bfloat16 or float32")
         return "float32"
@@ -49,14 +47,15 @@ def training_dtype(name, dtype, asked):
 
 
 def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), device_type="cpu",
-                    name="adamw", muon_lr=0.02, muon_momentum=0.95, fsdp=False):
+                    name="adamw", muon_lr=0.02, muon_momentum=0.95, fsdp=False, bf16=False):
     """AdamW; weight decay on matrices (linears, embeddings) only, not on norms/biases.
     name="muon": the weights of the Linear layers inside the blocks (attention and MLP) go to
     Muon at base rate muon_lr instead; embeddings (token, position and relative-position
     tables), the output head (tied or not: it lies outside the blocks), norms and biases stay
     with AdamW, as Muon's authors advise: orthogonalising an update suits a hidden layer's map,
-    not a lookup table, the vocabulary classifier or a gain. Muon
-    orthogonalises in bfloat16 where `device_type` multiplies it natively, else in float32."""
+    not a lookup table, the vocabulary classifier or a gain. Muon orthogonalises in bfloat16
+    where `bf16` says the device multiplies it natively (harness/device.native_bf16), else in
+    float32."""
     check(name, fsdp)
     if name == "adamw":
         return adamw(model, learning_rate, weight_decay, betas, device_type)
@@ -64,7 +63,7 @@ def build_optimizer(model, learning_rate, weight_decay=0.0, betas=(0.9, 0.95), d
     hidden = [m.weight for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
     # Muon's decoupled weight decay shrinks by muon_lr x weight_decay per step, as AdamW's
     # does by lr x weight_decay.
-    ns_dtype = torch.bfloat16 if native_bf16(device_type) else torch.float32
+    ns_dtype = torch.bfloat16 if bf16 else torch.float32
     muon = Muon([p for p in hidden if p.requires_grad], lr=muon_lr, weight_decay=weight_decay,
                 momentum=muon_momentum, ns_dtype=ns_dtype)
     muon.param_groups[0]["base_lr"] = muon_lr

@@ -1,6 +1,6 @@
 """
 Sample text from a trained checkpoint, streamed to stdout as it is generated. The command line
-only: the run is loaded by harness/load.py and decoded by decode.py.
+only: the run is loaded by harness/load.py, decoded and turned into text by decode.py.
 
     python sample.py --out_dir=out-small
     python sample.py --out_dir=out-small --start="def main(" --num_samples=4 --max_new_tokens=200
@@ -45,38 +45,6 @@ rope_factor = 0.0       # 0 keeps the checkpoint's; else the window is original 
 length_temperature = -1.0  # -1 keeps the checkpoint's; t >= 0: queries past the context x 1 + t ln
 tokenizer = ""          # "" uses the path recorded in the checkpoint; either way its sha256 must match
 # -----------------------------------------------------------------------------------------
-
-
-class TextStream:
-    """Token ids in, printable text out, so that the concatenation of everything returned
-    equals sp.decode(all ids).
-
-    Decoding token by token is wrong twice over: a character outside the vocabulary arrives
-    as several byte tokens (each alone decodes to U+FFFD), and sentencepiece drops the space
-    of a word-initial piece at the start of a decode. So we decode a short window that starts
-    one emission back: the window's first piece is already printed, and only the text past it
-    is new. If the window ends in U+FFFD (a character still incomplete), we wait for more."""
-
-    def __init__(self, sp):
-        self.sp, self.ids, self.text = sp, [], ""
-        self.start = self.read = 0  # window start; end of the ids already printed
-
-    def push(self, ids):
-        self.ids.extend(ids)
-        old = self.sp.decode(self.ids[self.start:self.read])
-        new = self.sp.decode(self.ids[self.start:])
-        if len(new) <= len(old) or new.endswith("\ufffd") or not new.startswith(old):
-            return ""
-        self.start, self.read = self.read, len(self.ids)
-        self.text += new[len(old):]
-        return new[len(old):]
-
-    def flush(self):
-        """What is still held back (invalid bytes that will never complete)."""
-        full = self.sp.decode(self.ids)
-        rest = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text += rest
-        return rest
 
 
 # Decode steps after which compiling the per-token step has paid for its compile time, by
@@ -172,7 +140,7 @@ def stream_samples(model, sp, prompt_ids, cfg, device, compiled):
     num_samples, eos, out = cfg["num_samples"], sp.eos_id(), sys.stdout
     prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)[None].repeat(num_samples, 1)
     rng = torch.Generator(device=device).manual_seed(cfg["seed"])
-    streams = [TextStream(sp) for _ in range(num_samples)]
+    streams = [decode.TextStream(sp) for _ in range(num_samples)]
     for s in streams:
         s.push(prompt_ids)
     out.write(streams[0].text)

@@ -15,10 +15,8 @@ rank * G/N + local micro-step for N ranks and gradient accumulation G. So a resu
 exactly the batches an unbroken run would have seen, N ranks see the batches of one process,
 and evaluation (its own fixed generator) never disturbs training.
 
-Elsewhere: model.py, data/dataset.py, optim.py (AdamW, Muon, their rules); the harness/:
-run.py (ids, out_dir, log.jsonl, preconditions), progress.py, mfu.py, build.py (the model),
-saving.py, config.py, device.py, common.py (one-line errors); when used, resume.py, parallel.py,
-wandb_run.py.
+Elsewhere: model.py, optim.py (AdamW, Muon), data/; harness/ prepares and guards the run
+(start.py: the checks, device, data, out_dir and checkpoint, in order; progress.py, checkpoint.py).
 """
 import contextlib
 import dataclasses
@@ -31,13 +29,11 @@ import time
 import numpy as np
 import torch
 
-from data.dataset import check_split_sizes, open_dataset, open_split
-from harness import common, mfu, run, saving
+from harness import bars, checkpoint, common, mfu, run, start
 from harness.build import build_model
 from harness.common import UserError
-from harness.config import check_seed, configure
-from harness.device import pick_device, pick_threads, placed
-from harness.progress import Progress, stop_on_signals
+from harness.config import configure
+from harness.progress import Progress
 import optim
 from model import RoFormerConfig
 
@@ -61,8 +57,8 @@ wandb_run_name = "run"
 # data
 batch_size = 16              # sequences per micro-step per process
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL processes
-# model: every field of RoFormerConfig with its default (model.py says what each one does)
-globals().update(dataclasses.asdict(RoFormerConfig()))
+# model: every field of RoFormerConfig is a key too, at its default (model.py says what each
+# one does), except:
 vocab_size = 0               # 0: take it from the dataset's meta.json
 # optimizer: AdamW, or Muon (optim.py) for the hidden matrices with AdamW for the rest
 optimizer = "adamw"          # "adamw" | "muon"
@@ -92,127 +88,28 @@ MODEL_KEYS = [f.name for f in dataclasses.fields(RoFormerConfig)]
 LOOP_KEYS = {"max_iters", "eval_interval", "eval_iters", "log_interval", "out_dir", "init_from",
              "wandb_log", "wandb_project", "wandb_run_name", "compile", "device", "fsdp",
              "activation_checkpointing", "dtype"}
-defaults = {k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
-            and isinstance(v, (bool, int, float, str))}
-assert set(MODEL_KEYS) <= set(defaults), "a RoFormerConfig field has no training config key"
+defaults = {**dataclasses.asdict(RoFormerConfig()), **{
+    k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
+    and isinstance(v, (bool, int, float, str))}}
 given = set()  # the keys the command line and config files set (init_from=RUN keeps the rest)
 config = configure(defaults, sys.argv[1:], given)
-globals().update(config)
-
-for keys, ok, rule in [  # 0 is meaningful for the second group: 0 iterations evaluate the start
-        (("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
-          "log_interval", "lr_decay_iters"), lambda v: v >= 1, ">= 1"),
-        (("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
-          "grad_clip"), lambda v: v >= 0, ">= 0"),
-        (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "in [0, 1)")]:
-    for key in (k for k in keys if not ok(config[k])):
-        raise UserError(f"{key} must be {rule}, got {config[key]}")
-if decay_lr and 0 < learning_rate < min_lr:  # 0: a probe that freezes AdamW's part
-    raise UserError(f"min_lr ({min_lr}) must not exceed learning_rate ({learning_rate}): the "
-                    f"rate would rise while it decays; lower --min_lr as well")
-check_seed(seed)
-if not init_from:
-    raise UserError("init_from must be 'scratch', 'resume' or a run folder or checkpoint file")
-if warmup_iters > lr_decay_iters:
-    raise UserError(f"warmup_iters ({warmup_iters}) must not exceed lr_decay_iters "
-                    f"({lr_decay_iters})")
-optim.check(optimizer, fsdp)
-try:  # the model flags as given, now: a mistake must not wait until out_dir has been prepared
-    RoFormerConfig(**{**{k: config[k] for k in MODEL_KEYS}, "vocab_size": vocab_size or 1})
-except ValueError as e:
-    raise UserError(str(e)) from None
-
-# ----------------------------------------------------------------------------------------
-# processes (torchrun sets RANK/WORLD_SIZE; otherwise a single process), device and dtype
-ddp = int(os.environ.get("RANK", -1)) != -1
-if fsdp and not ddp:
-    raise UserError("fsdp=True shards the model over processes: run under torchrun "
-                    "(--nproc_per_node=1 works too)")
-rank, local_rank, world = 0, 0, 1
+start.check(config, MODEL_KEYS)  # every value's rule, before anything is touched
+proc = start.place(config)       # the processes, this one's device, dtype, autocast, threads
+job = start.open_run(config, given, MODEL_KEYS, LOOP_KEYS, proc)  # data, out_dir, checkpoint
+globals().update(config)         # every value as it runs (on resume, the checkpoint's model)
+rank, world, master, ddp, dev = proc.rank, proc.world, proc.master, proc.ddp, proc.dev
 if ddp:
     from harness import parallel  # only under torchrun: one process needs no torch.distributed
-    rank, local_rank, world = parallel.ranks(gradient_accumulation_steps)
-master = rank == 0
-if wandb_log and master:
-    from harness import wandb_run  # only when asked for
-    wandb_run.check()
+ddir, mconf, run_id = job.ddir, job.mconf, job.run_id
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
-
-dev, dtype = pick_device(device, dtype, training=True)
-if fsdp and dtype == "float16":
-    raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
-dtype = optim.training_dtype(optimizer, dtype, config["dtype"])
-# one GPU per process, named (cuda:LOCAL_RANK under torchrun, else a bare cuda is cuda:0)
-dev = parallel.init_process_group(dev, rank, local_rank, world) if ddp else placed(dev)
-device, device_type = str(dev), dev.type
-if device_type == "cuda":
-    torch.cuda.set_device(dev)
-    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for the fp32 matmuls left outside autocast
-    torch.backends.cudnn.allow_tf32 = True
-ptdtype = getattr(torch, dtype)
-# With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
-autocast = (contextlib.nullcontext() if dtype == "float32" or fsdp
-            else torch.autocast(device_type=device_type, dtype=ptdtype))
-if compile and device_type == "cpu" and not run.cxx_compiler_found():
-    if master:
-        print("warning: compile=True needs a C++ compiler on the CPU ($CXX, or g++) and there is "
-              "none: running eager (pass --compile=False to skip this check)", flush=True)
-    compile = False
-config.update(device=device, dtype=dtype, compile=compile)  # what ran, recorded in the checkpoint
-threads, threads_note = pick_threads(device_type)  # fewer on a busy CPU (harness/device.py: why)
-
-# ----------------------------------------------------------------------------------------
-# data, out_dir, and the checkpoint to resume from
-ddir, meta = open_dataset(dataset, data_dir, master, ddp, named="dataset" in given)
-config["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
-tokenizer = run.tokenizer_identity(dataset, data_dir, ddir, meta)
-run_id, restarts = run.run_identity()  # a resumed run keeps its checkpoint's id (below)
-if init_from != "scratch" or restarts:  # starting from a checkpoint: harness/resume.py
-    from harness import resume
-source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
-if init_from not in ("scratch", "resume"):
-    source, source_args = resume.continue_from(init_from, config, MODEL_KEYS, tokenizer, out_dir,
-                                               given, master)
-    config.update(source_args, init_from=os.path.abspath(init_from))
-if config["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
-    config["vocab_size"] = meta["vocab_size"]
-run.prepare_out_dir(out_dir, master)  # rank 0 locks it for the run
-ckpt_path = os.path.join(out_dir, "ckpt.pt")
-log_path = os.path.join(out_dir, "log.jsonl")
-# init_from=resume, or a torchrun restart of this very run (never another run's checkpoint)
-ckpt = (resume.find(out_dir, init_from == "resume", run_id, restarts, master)
-        if init_from == "resume" or restarts else None)
-resumed = ckpt is not None
-if resumed:
-    model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
-    resume.check(ckpt, config, tokenizer, LOOP_KEYS, master)
-    run_id = ckpt.get("run_id") or run_id  # the same run, continued: one id
-    if ckpt["iter_num"] >= max_iters:  # said, and nothing written: the checkpoint stays as it is
-        if master:
-            print(f"note: the checkpoint is at iteration {ckpt['iter_num']}, max_iters="
-                  f"{max_iters}: nothing to train (raise --max_iters)", flush=True)
-        parallel.finish() if ddp else sys.exit(0)
-else:
-    run.move_aside(out_dir, master, ddp)  # another run's checkpoint is never overwritten
-    model_args = {k: config[k] for k in MODEL_KEYS}
-if model_args["vocab_size"] < meta["vocab_size"]:
-    raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
-                    f"{meta['vocab_size']}")
-try:
-    mconf = RoFormerConfig(**model_args)
-except ValueError as e:
-    raise UserError(str(e)) from None
-model_args = dataclasses.asdict(mconf)
-config.update(model_args)  # the checkpoint records the model that ran, not the command line
-block_size = mconf.block_size
-run.check_fits(run.training_memory(mconf, batch_size, world if fsdp else 1,  # before allocating
-                                   activation_checkpointing), dev)
-check_split_sizes(ddir, meta, block_size)  # the block_size that runs: on resume, the ckpt's
+ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
 
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    data = open_split(ddir, split, meta)  # a fresh memmap per call (see data/dataset.py)
+    # a fresh memmap per call: numpy keeps a long-lived memmap's pages resident (the split's
+    # size was checked against meta.json at the start: harness/dataset.py)
+    data = np.memmap(os.path.join(ddir, f"{split}.bin"), dtype=job.meta["dtype"], mode="r")
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
@@ -222,39 +119,27 @@ def get_batch(split, rng, bs, T):
     w = torch.from_numpy(windows.astype(np.int64))
     # Pin and send the whole contiguous window, then slice on the device: pinning a strided
     # view (w[:, :-1]) would go through a pageable temporary copy first.
-    w = w.pin_memory().to(dev, non_blocking=True) if device_type == "cuda" else w.to(dev)
+    w = w.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else w.to(dev)
     # contiguous on the device (two tiny copies): strided token ids slow the step down
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 # ----------------------------------------------------------------------------------------
-# model (built on the meta device, wrapped: DDP, or FSDP and sharded; then initialised from the
-# seed) and optimizer
+# model (built on the meta device, wrapped: DDP or FSDP; initialised from the seed), optimizer
 raw_model, model, eval_model = build_model(
     mconf, seed, device, fsdp=fsdp, ddp=ddp, compile=compile,
-    param_dtype=ptdtype if fsdp and dtype == "bfloat16" else None,
+    param_dtype=torch.bfloat16 if fsdp and dtype == "bfloat16" else None,
     activation_checkpointing=activation_checkpointing)
-opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), device_type,
+opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), dev.type,
                             name=optimizer, muon_lr=muon_lr, muon_momentum=muon_momentum,
-                            fsdp=fsdp)
+                            fsdp=fsdp, bf16=proc.bf16)
 # fp16 needs loss scaling; bf16 and fp32 do not (a disabled scaler passes everything through)
-scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-iter_num, best_val_loss, tokens_seen, wandb_id = 0, float("inf"), 0, None
+scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "float16")
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
-if resumed:
-    resume.load_state(ckpt, ckpt_path, raw_model, opt, scaler)  # ckpt.pt, or its DCP folder
-    iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-    # a resumed run may use another batch size: count the tokens, not iterations x batch
-    tokens_seen = ckpt.get("tokens", iter_num * tokens_per_iter)
-    wandb_id = ckpt.get("wandb_id")  # kept even by a run without wandb, for a later one
-    if master:
-        print(f"resumed from {ckpt_path}: iteration {iter_num}, {tokens_seen:,} tokens",
-              flush=True)
-    del ckpt
-elif source is not None:  # weights only: a fresh optimizer and schedule, iteration 0
-    resume.load_weights(raw_model, source["model"], config["init_from"])
-    del source
-start_iter = iter_num
+# resume: weights, optimizer, scaler, RNGs and where the run stands; init_from=RUN: RUN's weights
+iter_num, best_val_loss, tokens_seen, wandb_id = start.load_checkpoint(
+    job, raw_model, opt, scaler, tokens_per_iter, master)
+resumed, start_iter = job.resumed, iter_num
 
 
 def lr_factor(it):
@@ -275,12 +160,12 @@ def lr_factor(it):
 def save_checkpoint():
     """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
     call it (an FSDP save is a collective)."""
-    save = parallel.save_sharded if fsdp else functools.partial(saving.save, rank=rank)
+    save = parallel.save_sharded if fsdp else functools.partial(checkpoint.save, rank=rank)
     save(ckpt_path, {
         "scaler": scaler.state_dict() or None,  # {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
-        "run_id": run_id, "wandb_id": wandb_id, "model_args": model_args, "config": config,
-        "tokenizer": tokenizer, "rng": saving.rng_state()}, raw_model, opt)
+        "run_id": run_id, "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf),
+        "config": config, "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
 @torch.no_grad()
@@ -293,13 +178,14 @@ def evaluate():
         return
     losses = {}
     eval_model.eval()
-    batches = progress.batches(f"evaluating iteration {iter_num}", 2 * eval_iters)
+    batches = bars.bar(total=2 * eval_iters, desc=f"evaluating iteration {iter_num}",
+                       unit="batch", shown=master, out=sys.stdout, leave=False, delay=1.0)
     for i, split in enumerate(("train", "val")):
         rng = np.random.default_rng([seed, 7919, i])
         split_losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split
         for k in range(eval_iters):
             x, y = get_batch(split, rng, batch_size, block_size)
-            with autocast:
+            with proc.autocast:
                 split_losses[k] = eval_model(x, y)[1]
             batches.update()
         losses[split] = split_losses.mean().item()
@@ -324,25 +210,14 @@ if wandb_log and master:
     import wandb
     wandb_id = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
                           **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
-peak = mfu.peak_flops(device_type, dtype)  # of ONE device: MFU is per device
+peak = mfu.peak_flops(dev.type, dtype)  # of ONE device: MFU is per device
 progress = Progress(start_iter, max_iters, tokens_per_iter,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
                     world, master, compiled=compile)
 if master:
-    resume.repair_log(log_path, start_iter) if resumed else run.new_log(log_path)
-    run.keep_tokenizer(out_dir, tokenizer)  # sample, eval, export then need no dataset folder
-    if threads_note:
-        print(threads_note, flush=True)
-    # what decides the run's speed and quality, first
-    on = f", {threads} thread{'s' * (threads > 1)}" if device_type == "cpu" else ""
-    print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {device} {dtype}{on}, optimizer="
-          f"{optimizer}, compile={compile}, {world} process(es){' (fsdp)' if fsdp else ''}, "
-          f"{tokens_per_iter:,} tokens/iter, data {ddir}, run {run_id[:8]}", flush=True)
-    print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else
-                     mfu.CPU_NO_PEAK if device_type == "cpu" else
-                     "n/a (peak FLOP/s of this device unknown)"), flush=True)
-stop = stop_on_signals()
-stopping = False
+    start.first_lines(config, proc, job, raw_model.num_params(), tokens_per_iter, peak,
+                      resumed, start_iter)
+stop, stopping = run.stop_on_signals(), False
 
 # ----------------------------------------------------------------------------------------
 # the loop
@@ -366,7 +241,7 @@ while iter_num < max_iters:
             torch.manual_seed(int(rng.integers(2 ** 62)))
         last = micro == local_steps - 1  # DDP syncs gradients on the last micro-step only
         with parallel.grad_sync(model, last) if ddp else contextlib.nullcontext():
-            with autocast:
+            with proc.autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
             # mean over this rank's micro-steps; DDP/FSDP average over the N ranks: 1/G overall

@@ -27,7 +27,7 @@ import torch
 
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
-from data.shared import tqdm  # noqa: E402
+from harness import bars  # noqa: E402
 from harness.common import UserError  # noqa: E402
 from harness.config import configure  # noqa: E402
 from harness.device import cpu_has_bf16  # noqa: E402
@@ -127,14 +127,16 @@ def step_cost(shape):
     T, B = shape["block_size"], shape["batch_size"]
     cfg = {k: v for k, v in shape.items() if k != "batch_size"}
     models = {o: RoFormer(RoFormerConfig(vocab_size=4096, **cfg)) for o in ARMS}
-    opts = {o: build_optimizer(m, 2e-3, 0.1, name=o.split(",")[0]) for o, m in models.items()}
+    bf16 = cpu_has_bf16()  # muon "as train.py builds it": bf16 only where native
+    opts = {o: build_optimizer(m, 2e-3, 0.1, name=o.split(",")[0], bf16=bf16)
+            for o, m in models.items()}
     opts["muon, NS in bf16"].muon.ns_dtype = torch.bfloat16
     x, y = torch.randint(0, 4096, (2, B, T))
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
     times = {o: [] for o in models}
     # minutes at config/small.py's shape, where bf16 is emulated: a bar, or a line in a log
-    bar = tqdm(total=3 * (args["time_steps"] + 2), desc=f"timing steps (block {T}, batch {B})",
-               unit="step")
+    bar = bars.bar(total=3 * (args["time_steps"] + 2),
+                   desc=f"timing steps (block {T}, batch {B})", unit="step")
     for i in range(args["time_steps"] + 2):
         for o in ARMS[i % 3:] + ARMS[:i % 3]:
             t0 = time.perf_counter()

@@ -221,7 +221,7 @@ def held_out_data(args):
             and not args.data_dir:  # what train.py would do on first use
         subprocess.run([sys.executable, os.path.join(ROOT, "data", "pystdlib", "prepare.py")],
                        check=True)
-    from data.dataset import load_meta, open_split
+    from harness.dataset import load_meta, open_split
     meta = load_meta(src)
     val = np.asarray(open_split(src, "val", meta))[:args.eval_tokens]
     meta = dict(meta, val_tokens=len(val))

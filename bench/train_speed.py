@@ -67,6 +67,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.common import UserError  # noqa: E402
 from harness.config import configure  # noqa: E402
+from harness.device import native_bf16  # noqa: E402
 from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402
@@ -389,7 +390,8 @@ class TargetRun:
         else:
             self.model = recipe_model("rope", vocab_size)
             self.opt = build_optimizer(self.model, LR, WEIGHT_DECAY, BETAS, "cpu",
-                                       name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"])
+                                       name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
+                                       bf16=native_bf16("cpu"))  # as train.py builds it
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
         self.it, self.seconds, self.curve = 0, 0.0, []  # curve: (iteration, seconds, val loss)
 

@@ -11,7 +11,6 @@ more; outputs are renamed into place at the end, meta.json last. Detail: docs/DA
 import collections
 import hashlib
 import os
-import shlex
 import sys
 import time
 import zipfile
@@ -20,12 +19,13 @@ import numpy as np
 
 from data import workers
 from data.documents import FIELD_HINT, tasks, text_fields
-from data.shared import BOS_ID, EOS_ID, UNK_ID, dtype_for_vocab, tqdm
+from data.shared import BOS_ID, EOS_ID, UNK_ID, dtype_for_vocab
 from data.split import split_tokens
 from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip,
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
+from harness import bars
 from harness.common import REPO, UserError, cli, error_line
 from harness.config import check_seed
 
@@ -38,7 +38,7 @@ def given_tokenizer(path):
     if not os.path.exists(path):
         raise UserError(f"--tokenizer {path} does not exist")
     if os.path.isdir(path) or zipfile.is_zipfile(path):  # a run: ckpt.pt is a zip archive
-        from harness.checkpoint import read  # torch and the model: only a run needs them
+        from harness.load import read  # torch and the model: only a run needs them
         from harness.load import find_tokenizer
         ckpt = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
         info = read(ckpt, mmap=True).get("tokenizer")  # one line if not a checkpoint
@@ -87,7 +87,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     per_source = collections.defaultdict(lambda: np.zeros(4, dtype=np.int64))
     skipped, hashes, marker = [], [], None
     sample = TokenizerSample(sample_bytes)
-    bar = tqdm(total=raw_total, desc="scanning", unit="B", unit_scale=True)
+    bar = bars.bar(total=raw_total, desc="scanning", unit="B", unit_scale=True)
     found = tasks(sources, settings["text_fields"], settings["undecodable"], (), skipped,
                   hashes, bar)
     jobs = ((task, sample.cutoff()) for task in found)  # the cutoff when the job is sent
@@ -131,7 +131,7 @@ def report_scan(corpus, name, source, text_field, seconds, log):
 def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
     """Pass 2: every document into the token file `path`: (tokens, docs, bytes, processes)."""
     total, docs, nbytes, pids = 0, 0, 0, set()
-    bar = tqdm(total=raw_total, desc="encoding", unit="B", unit_scale=True)
+    bar = bars.bar(total=raw_total, desc="encoding", unit="B", unit_scale=True)
     jobs = tasks(sources, settings["text_fields"], settings["undecodable"], set(skipped), [],
                  None, bar)
     with open(path, "wb") as f:
@@ -232,7 +232,8 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
     t0 = time.time()
     budget = split_budget(total, options["val_fraction"], options["val_tokens"],
                           options["min_val_tokens"])
-    bar = tqdm(total=total * dtype.itemsize, desc="splitting", unit="B", unit_scale=True)
+    bar = bars.bar(total=total * dtype.itemsize, desc="splitting", unit="B",
+                   unit_scale=True)
     counts = split_tokens(tmps["train.bin"], tmps["val.bin"], dtype, total, budget,
                           options["seed"], sp.piece_to_id("\n"), bar)
     bar.close()
@@ -306,25 +307,6 @@ def resolve_out_dir(out_dir):
     if os.path.isabs(out_dir) or "/" in out_dir or os.sep in out_dir or out_dir in (".", ".."):
         return os.path.abspath(out_dir)
     return os.path.join(DATA_DIR, out_dir)
-
-
-def prepare_command(dataset, data_dir=""):
-    """The command that builds the folder train.py reads: data/<dataset>, or data_dir. A
-    dataset with no script of its own is the user's text, whose files only they can name."""
-    base = dataset.removesuffix("_char")
-    if os.path.exists(os.path.join(DATA_DIR, dataset, "prepare.py")):
-        cmd, writes = f"python data/{dataset}/prepare.py", dataset
-    elif base != dataset and os.path.exists(os.path.join(DATA_DIR, base, "prepare.py")):
-        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # writes data/<base>_char
-    else:
-        cmd, writes = "python data/text/prepare.py", "text"
-    if cmd.startswith("python data/text/"):
-        cmd += " --input PATH"  # required: the files to build it from
-    # prepare's --out_dir NAME is data/NAME next to train.py; a path with a slash is as given
-    out = data_dir if not data_dir or "/" in data_dir or os.sep in data_dir else f"./{data_dir}"
-    if (out or dataset) != writes:
-        cmd += f" --out_dir {shlex.quote(out or dataset)}"
-    return cmd
 
 
 OUT_DIR_HELP = ("a NAME (no slash) writes data/NAME next to train.py, which train.py "

@@ -1,67 +1,9 @@
 """What every stage of data/ shares, so that none imports another just for these and the
 imports stay one-way: the special token ids, the names of the outputs, small helpers."""
-import sys
-import time
-
 import numpy as np
 
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.model", "tokenizer.vocab", "meta.json")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
-
-
-LINE_EVERY = 30.0  # seconds between two progress lines where stderr is not a terminal
-
-
-def tqdm(*args, **kwargs):
-    """Progress on stderr: a tqdm bar on a terminal; under a pipe or a file (CI, `> log`) a
-    plain line every LINE_EVERY seconds with an estimate of the time left (Lines)."""
-    from tqdm import tqdm as bar
-    if kwargs.get("disable") or sys.stderr.isatty():
-        return bar(*args, **{"dynamic_ncols": True, **kwargs})
-    return Lines(*args, **kwargs)
-
-
-class Lines:
-    """What a tqdm bar shows, as a plain line now and then: a bar's carriage-return redraws
-    would pile up in a log, and silence leaves a user guessing for minutes. The first line
-    waits LINE_EVERY seconds too, so a short wait prints nothing."""
-
-    def __init__(self, iterable=None, total=None, desc="", unit="it", unit_scale=False, **_):
-        self.iterable, self.desc, self.unit, self.scale = iterable, desc, unit, unit_scale
-        self.total = len(iterable) if total is None and hasattr(iterable, "__len__") else total
-        self.n, self.start = 0, time.monotonic()
-        self.last = self.start
-
-    def __iter__(self):
-        for item in self.iterable:
-            yield item
-            self.update()
-
-    def update(self, n=1):
-        self.n += n
-        now = time.monotonic()
-        if now - self.last >= LINE_EVERY:
-            self.last = now
-            print(self.line(now - self.start), file=sys.stderr, flush=True)
-
-    def line(self, elapsed):
-        from tqdm import tqdm as bar
-        size = bar.format_sizeof if self.scale else "{:,}".format
-        done = f"{size(self.n)}/{size(self.total)}" if self.total else size(self.n)
-        left = ""
-        if self.total and self.n:
-            left = (f" ({100 * self.n / self.total:.0f}%), about "
-                    f"{bar.format_interval(elapsed * (self.total - self.n) / self.n)} left")
-        return f"{self.desc}: {done} {self.unit}{left}, {bar.format_interval(elapsed)} so far"
-
-    def set_postfix(self, *args, **kwargs):
-        pass
-
-    def write(self, text):
-        print(text, file=sys.stderr, flush=True)
-
-    def close(self):
-        pass
 
 
 def dtype_for_vocab(vocab_size):

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from harness.saving import commit
+from harness.checkpoint import commit
 from harness.common import UserError, excepthook
 from harness.device import placed
 from harness.files import fsync

@@ -6,8 +6,8 @@ import os
 import re
 from pathlib import Path
 
-from harness.checkpoint import misfit, read, rescale
-from harness.saving import set_rng_state
+from harness.checkpoint import set_rng_state
+from harness.load import misfit, read, rescale
 from harness.common import UserError
 from harness.files import atomic_write
 from model import RoFormerConfig
@@ -86,6 +86,18 @@ def load_state(ckpt, path, raw_model, optimizer, scaler):
     if ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
     set_rng_state(ckpt["rng"])  # batches and dropout reseed every micro-step anyway
+
+
+def restore(ckpt, path, raw_model, optimizer, scaler, tokens_per_iter, master):
+    """load_state, then where the run stands: (iteration, best val loss, tokens seen, wandb
+    id). A resumed run may use another batch size: its tokens are counted, not iterations."""
+    load_state(ckpt, path, raw_model, optimizer, scaler)
+    iter_num = ckpt["iter_num"]
+    tokens = ckpt.get("tokens", iter_num * tokens_per_iter)
+    if master:
+        print(f"resumed from {path}: iteration {iter_num}, {tokens:,} tokens", flush=True)
+    # the wandb id is kept even by a run without wandb, for a later one
+    return iter_num, ckpt["best_val_loss"], tokens, ckpt.get("wandb_id")
 
 
 def repair_log(log_path, start_iter):

@@ -1,12 +1,13 @@
 """train.py's run folder and preconditions: out_dir and its lock, run ids, the old run moved
 aside, log.jsonl, the tokenizer's identity, and what is refused before anything is allocated
-(a model that cannot fit, torch.compile without a C++ compiler). MFU's peaks are in
-harness/mfu.py, the progress line and signals in harness/progress.py."""
+(a model that cannot fit, torch.compile without a C++ compiler), and the signals that stop
+a run cleanly. MFU's peaks are in harness/mfu.py, the progress line in harness/progress.py."""
 import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -222,3 +223,18 @@ def append_log(log_path, record, warn=print):
             os.truncate(log_path, size)
         warn(f"warning: cannot write {log_path} ({e.strerror}): the evaluation at iteration "
              f"{record['iter']} is not logged")
+
+
+def stop_on_signals():
+    """SIGTERM/SIGINT: finish the step in flight, save, exit 0; a second Ctrl-C stops at once,
+    a second SIGTERM does not (a launcher's death can deliver two, and the second would kill
+    the save in flight). Returns a list that is non-empty once a signal came."""
+    stop = []
+
+    def on_signal(signum, frame):
+        stop.append(signum)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    return stop

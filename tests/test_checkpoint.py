@@ -1,7 +1,7 @@
-"""harness/checkpoint.py and harness/saving.py, which read and write checkpoints, and harness/load.py's load_run: its RoPE scaling
-overrides against a model built with that scaling directly, files that are not checkpoints, a
-full disk during a save (simulated, and real on a tiny tmpfs where one can be mounted), and
-the training device/dtype rules of harness/device.pick_device. A mistake is a UserError whose
+"""harness/checkpoint.py, which writes checkpoints, and harness/load.py, which reads them
+(`read`) and loads a run (`load_run`): its RoPE scaling overrides against a model built with
+that scaling directly, files that are not checkpoints, a full disk during a save (simulated,
+and real on a tiny tmpfs where one can be mounted), and the training device/dtype rules of harness/device.pick_device. A mistake is a UserError whose
 message the scripts print as the one line `error: ...`."""
 import errno
 import hashlib
@@ -16,7 +16,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import harness.device  # noqa: E402
-from harness import checkpoint, saving  # noqa: E402
+from harness import checkpoint, load  # noqa: E402
 from harness.common import UserError  # noqa: E402
 from harness.load import load_run  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
@@ -156,7 +156,7 @@ def test_a_file_that_is_not_a_checkpoint_says_so(tmp_path, tokenizer, content):
     with open(path, "wb") as f:
         f.write(content)
     with pytest.raises(UserError) as e:
-        checkpoint.read(path)
+        load.read(path)
     assert "not a checkpoint" in str(e.value) and path in str(e.value)
     with pytest.raises(UserError) as e:
         load_run(out, torch.device("cpu"), "float32")
@@ -170,7 +170,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     previous one, no temp file."""
     path = str(tmp_path / "ckpt.pt")
     first = {"model": {"w": torch.ones(3)}, "model_args": {}, "iter_num": 1}
-    saving.commit(path, first)
+    checkpoint.commit(path, first)
     before = open(path, "rb").read()
 
     def full_disk(obj, f, *args, **kwargs):
@@ -178,7 +178,7 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(UserError) as e:
-        saving.commit(path, dict(first, iter_num=2))
+        checkpoint.commit(path, dict(first, iter_num=2))
     assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
     assert open(path, "rb").read() == before
     assert os.listdir(tmp_path) == ["ckpt.pt"]
@@ -197,10 +197,10 @@ def test_temp_names_are_the_processs_own_and_crashed_saves_are_cleaned(tmp_path,
     renamed = []
     real = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(a), real(a, b)))
-    saving.commit(path, {"model": {"w": torch.ones(3)}, "model_args": {}})
+    checkpoint.commit(path, {"model": {"w": torch.ones(3)}, "model_args": {}})
     assert renamed == [str(tmp_path / f".ckpt.pt.{os.getpid()}.tmp")]
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "log.jsonl"]
-    assert torch.equal(checkpoint.read(path)["model"]["w"], torch.ones(3))
+    assert torch.equal(load.read(path)["model"]["w"], torch.ones(3))
 
 
 HOLD_LOCK = """
@@ -242,12 +242,12 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_until_the_first_dies(tmp_
 FILL_TMPFS = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
-from harness import saving
+from harness import checkpoint
 from harness.common import UserError
 path = os.path.join({mnt!r}, "ckpt.pt")
-saving.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
+checkpoint.commit(path, {{"model": {{"w": torch.ones(1000)}}, "model_args": {{}}}})
 try:
-    saving.commit(path, {{"model": {{"w": torch.ones(1_000_000)}}, "model_args": {{}}}})
+    checkpoint.commit(path, {{"model": {{"w": torch.ones(1_000_000)}}, "model_args": {{}}}})
 except UserError as e:
     print(e)
 """
@@ -267,7 +267,7 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(tmp_path):
         assert r.returncode == 0, r.stderr
         assert "No space left on device" in r.stdout
         assert os.listdir(mnt) == ["ckpt.pt"]
-        ck = checkpoint.read(str(mnt / "ckpt.pt"))
+        ck = load.read(str(mnt / "ckpt.pt"))
         assert ck["model"]["w"].numel() == 1000
     finally:
         subprocess.run(["umount", str(mnt)])

@@ -231,12 +231,14 @@ def test_the_readme_says_whose_the_omp_num_threads_warning_is_and_how_to_silence
 
 
 def test_the_readme_names_the_tests_that_skip_and_why():
-    """Issue 45: the README said "so every test runs" while some always skip. Each kind of
-    test that skips on a CPU machine with requirements-test.txt installed is named with
-    its reason: llama.cpp not installed, a --model option not given, no CUDA device, a tmpfs
-    that cannot be mounted or root writing to a read-only folder."""
+    """Issue 45: the README said "so every test runs" while some always skip. Its Tests section
+    (the test command links to it) names each kind of test that skips on a CPU machine with
+    requirements-test.txt installed, with its reason: llama.cpp not installed, a --model option
+    not given, no CUDA device, a tmpfs that cannot be mounted or root writing to a read-only
+    folder."""
     text = readme()
-    para = text[text.index("Run the tests"):text.index("pip install -r requirements-test.txt")]
+    assert "[Tests](#tests)" in text[:text.index("pip install -r requirements-test.txt")]
+    para = text[text.index("\n## Tests\n"):]
     for words in ("llama-cpp-python", "tests/test_contract.py", "--model", "CUDA", "tmpfs",
                   "read-only"):
         assert words in para, words

@@ -21,6 +21,7 @@ import sentencepiece as spm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from data import documents, pipeline, shared, workers  # noqa: E402
+from harness import bars  # noqa: E402
 
 OUTPUTS = ["train.bin", "val.bin", "tokenizer.model", "meta.json"]
 
@@ -945,11 +946,11 @@ def test_outputs_are_fsynced_before_their_rename_and_the_folder_after(tmp_path, 
 # ----------------------------------------------------------------------------- reading a split
 
 def test_open_split_refuses_a_truncated_or_foreign_bin(prepared, tmp_path):
-    """data/dataset.py, the reader train/eval/export share: a .bin whose size disagrees with
+    """harness/dataset.py, the reader train/eval/export share: a .bin whose size disagrees with
     meta.json (truncated, empty, read with another dtype) and a meta.json that is not JSON
     are one line naming the file, never a silently shorter corpus."""
     import shutil
-    from data.dataset import load_meta, open_split
+    from harness.dataset import load_meta, open_split
     from harness.common import UserError as DatasetError
     root, _, meta = prepared
     ddir = tmp_path / "d"
@@ -995,7 +996,7 @@ def test_load_meta_refuses_a_field_of_the_wrong_type(prepared, tmp_path, field, 
     """A meta.json field readers compute with, of the wrong type, is one line naming the file
     and the field, from load_meta (where train, eval, export read it), not an error raised
     while wording another error; the prepared meta.json itself loads."""
-    from data.dataset import load_meta, open_split
+    from harness.dataset import load_meta, open_split
     from harness.common import UserError
     root, _, meta = prepared
     (tmp_path / "meta.json").write_text(json.dumps(meta))
@@ -1194,9 +1195,10 @@ def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
 # ----------------------------------------------------------------------------- progress
 
 def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
-    """Issue 45: bench/adamw_vs_muon.py timed its steps for minutes in silence. data/shared.py's tqdm
-    (eval.py's too) prints, under a pipe or a file, plain lines with the time left."""
-    monkeypatch.setattr(shared, "LINE_EVERY", 0.0, raising=False)  # a line at every step
+    """Issue 45: bench/adamw_vs_muon.py timed its steps for minutes in silence. harness/bars.py's
+    bar (eval.py's too) prints, under a pipe or a file, plain lines with the time left."""
+    monkeypatch.setattr(bars, "EVERY_S", 0.0)  # a line at every step
+    monkeypatch.setattr(bars, "QUIET_S", -1.0)
     monkeypatch.setattr(sys, "argv", ["optim.py", "--time_steps=1"])
     spec = importlib.util.spec_from_file_location("bench_optim",
                                                   os.path.join(REPO, "bench", "adamw_vs_muon.py"))

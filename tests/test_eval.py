@@ -178,8 +178,9 @@ def test_scoring_shows_progress_in_a_log_and_json_stays_pure(run, capsys, monkey
     """Issue 45: --split scored a split in silence (about 54 minutes on a real one). Under a
     pipe or a file, plain lines on stderr with how far it is and the time left (no carriage
     returns); with --json, stdout holds only the JSON line."""
-    from data import shared
-    monkeypatch.setattr(shared, "LINE_EVERY", 0.0, raising=False)  # a line at every batch
+    from harness import bars
+    monkeypatch.setattr(bars, "EVERY_S", 0.0)  # a line at every batch
+    monkeypatch.setattr(bars, "QUIET_S", -1.0)
     capsys.readouterr()
     evalpy.main([f"--out_dir={run['out']}", "--split=val", "--batch_size=1", "--json"])
     out, errtext = capsys.readouterr()
@@ -397,7 +398,7 @@ def test_records_are_documents_as_in_prepare(run, capsys, tmp_path):
 
 
 def test_split_is_read_through_the_dataset_checks(run, tmp_path):
-    """--split=val reads val.bin through data/dataset.py: a truncated one is one line naming
+    """--split=val reads val.bin through harness/dataset.py: a truncated one is one line naming
     the file and both sizes, not a silently shorter score."""
     import shutil
     data = tmp_path / "data"

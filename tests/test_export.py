@@ -557,7 +557,7 @@ def test_missing_protobuf_is_one_line_and_listed_for_tests(run, monkeypatch):
 
 
 def test_truncated_val_bin_is_refused_in_one_line(run, tmp_path):
-    """The validation text for the check is read through data.dataset.open_split: a val.bin
+    """The validation text for the check is read through harness.dataset.open_split: a val.bin
     shorter than meta.json says is named in one line, and no export is left behind."""
     data = tmp_path / "data"
     shutil.copytree(run["data"], data)

@@ -705,7 +705,7 @@ def test_tied_and_untied_weights_load_only_where_they_fit():
     tied, untied = tiny(), tiny(tie_embeddings=False)
     with pytest.raises(RuntimeError, match="tie_embeddings") as e:
         tiny().load_state_dict(untied.state_dict())
-    assert len(str(e.value).splitlines()) == 2  # torch's header, our line (harness/checkpoint.misfit)
+    assert len(str(e.value).splitlines()) == 2  # torch's header, our line (harness/load.misfit)
     with pytest.raises(RuntimeError, match="lm_head.weight"):
         tiny(tie_embeddings=False).load_state_dict(
             {k: v for k, v in tied.state_dict().items() if k != "lm_head.weight"})

@@ -13,6 +13,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from harness import bars  # noqa: E402
 from harness import device as devices  # noqa: E402
 from harness import mfu  # noqa: E402
 from harness import progress as progresses  # noqa: E402
@@ -33,6 +34,7 @@ class Clock:
 def clock(monkeypatch):
     c = Clock()
     monkeypatch.setattr(progresses.time, "time", c)
+    monkeypatch.setattr(bars.time, "time", c)
     return c
 
 
@@ -109,14 +111,23 @@ def test_the_cpu_has_no_mfu_peak_however_busy_the_machine_is():
     assert mfu.peak_flops("cpu", "float32") is None and mfu.peak_flops("mps", "float32") is None
 
 
+def seconds(interval):
+    """tqdm's [h:]mm:ss as seconds."""
+    value = 0
+    for part in interval.split(":"):
+        value = 60 * value + int(part)
+    return value
+
+
 def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
     """The evaluation before iteration 0 ran 55-153 s on a busy machine with nothing printed.
     Without a terminal: one plain line once the batches so far say more than QUIET_S seconds
     are left, with that estimate (time per batch so far x batches left), then one every
     EVERY_S; a quick evaluation prints nothing, and neither does a rank other than 0."""
-    q, every = progresses.Countdown.QUIET_S, progresses.Countdown.EVERY_S
+    q, every = bars.QUIET_S, bars.EVERY_S
     for per_batch, total, shown in ((0.01, 40, True), (1.0, 200, True), (1.0, 200, False)):
-        c = progresses.Countdown("evaluating iteration 0", total, False, shown)
+        c = (bars.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
+             if shown else bars.bar(total=total, shown=False))
         said = []
         for n in range(1, total + 1):
             clock.now += per_batch
@@ -133,10 +144,9 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
         # every line's estimate is the time per batch so far x the batches left, and they
         # come EVERY_S apart
         for n, line in said:
-            left = re.search(r"(\d+):(\d\d):(\d\d) left", line).groups()
-            h, m, s = map(int, left)
+            left = re.search(r"about ([\d:]+) left", line).group(1)
             assert line.startswith(f"evaluating iteration 0: {n}/{total} batches")
-            assert 3600 * h + 60 * m + s == pytest.approx(per_batch * (total - n), abs=1)
+            assert seconds(left) == pytest.approx(per_batch * (total - n), abs=1)
         assert [n for n, _ in said] == [1 + int(every / per_batch) * k for k in range(len(said))]
         assert len(said) == 1 + int((total - 2) * per_batch // every)
 

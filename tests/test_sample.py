@@ -159,7 +159,7 @@ def test_text_stream_equals_full_decode_on_random_ids(ws):
     for _ in range(500):
         ids = [rng.choice((bytes_ids, words, range(V))[rng.randrange(3)])
                for _ in range(rng.randint(1, 30))]
-        s, printed, k = sample.TextStream(sp), "", 0
+        s, printed, k = decoding.TextStream(sp), "", 0
         while k < len(ids):
             step = rng.randint(1, 3)
             printed += s.push(ids[k:k + step])
@@ -171,7 +171,7 @@ def test_text_stream_holds_back_partial_characters(ws):
     sp = ws["sp"]
     ids = sp.encode("a 🙂 b")
     assert sum(sp.is_byte(i) for i in ids) == 4  # the emoji is four byte pieces
-    s = sample.TextStream(sp)
+    s = decoding.TextStream(sp)
     pieces = [s.push([i]) for i in ids]
     assert "\ufffd" not in "".join(pieces) and "🙂" in pieces  # the emoji comes out whole
     assert "".join(pieces) + s.flush() == "a 🙂 b"
@@ -526,6 +526,6 @@ def test_sampling_imports_no_training_code():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     imported = set(r.stdout.split())
-    assert {"harness.load", "harness.checkpoint"} <= imported
-    for training_only in ("harness.saving", "optim", "harness.run", "harness.progress"):
+    assert "harness.load" in imported
+    for training_only in ("harness.checkpoint", "optim", "harness.run", "harness.progress"):
         assert importlib.util.find_spec(training_only) and training_only not in imported

@@ -1,7 +1,10 @@
-"""Reading a prepared dataset folder (meta.json, train.bin, val.bin): the one place that opens a
-split, so every reader gets the same checks and a mistake is a UserError naming the file."""
+"""Reading a prepared dataset folder (meta.json, train.bin, val.bin): the one place that checks
+a split, so every reader gets the same checks and a mistake is a UserError naming the file
+(train.py's get_batch maps a split again each call, once it was checked here). Building one is
+data/'s job; a missing one is refused with the command that builds it."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -94,7 +97,6 @@ def open_dataset(dataset, data_dir, master, ddp, named=True):
             dist.barrier()
         missing = [f for f in needed if not os.path.exists(os.path.join(ddir, f))]
     if missing:
-        from data.pipeline import prepare_command  # only now: it imports the corpus tools
         name = dataset if named or not data_dir else ""  # "": the user's text (data/text)
         what = f"dataset '{name}'" if name else "the dataset"
         raise UserError(f"{what} not found ({ddir} lacks {', '.join(missing)}); build it with: "
@@ -112,3 +114,22 @@ def check_split_sizes(ddir, meta, block_size):
         if tokens < block_size + 1:
             raise UserError(f"{ddir}/{split}.bin has {tokens} tokens, fewer than block_size+1 = "
                             f"{block_size + 1}; lower block_size or use more data")
+
+
+def prepare_command(dataset, data_dir=""):
+    """The command that builds the folder train.py reads: data/<dataset>, or data_dir. A
+    dataset with no script of its own is the user's text, whose files only they can name."""
+    base = dataset.removesuffix("_char")
+    if os.path.exists(os.path.join(REPO, "data", dataset, "prepare.py")):
+        cmd, writes = f"python data/{dataset}/prepare.py", dataset
+    elif base != dataset and os.path.exists(os.path.join(REPO, "data", base, "prepare.py")):
+        cmd, writes = f"python data/{base}/prepare.py --char", dataset  # writes data/<base>_char
+    else:
+        cmd, writes = "python data/text/prepare.py", "text"
+    if cmd.startswith("python data/text/"):
+        cmd += " --input PATH"  # required: the files to build it from
+    # prepare's --out_dir NAME is data/NAME next to train.py; a path with a slash is as given
+    out = data_dir if not data_dir or "/" in data_dir or os.sep in data_dir else f"./{data_dir}"
+    if (out or dataset) != writes:
+        cmd += f" --out_dir {shlex.quote(out or dataset)}"
+    return cmd

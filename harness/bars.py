@@ -1,0 +1,63 @@
+"""The progress every wait shows (the data stages, eval.py's scoring, train.py's evaluations,
+bench timings): a tqdm bar on a terminal; under a pipe or a file (CI, SLURM, `> log`) a plain
+line now and then, since a bar's carriage-return redraws would pile up in a log and silence
+leaves a user guessing for minutes. The training loop's own line is harness/progress.py."""
+import sys
+import time
+
+from tqdm import tqdm
+
+QUIET_S = 5.0   # a wait whose time left is estimated below this prints no line at all
+EVERY_S = 30.0  # then a line every this many seconds
+
+
+def bar(iterable=None, total=None, desc="", unit="it", shown=True, out=None, **kwargs):
+    """A tqdm bar on a terminal (kwargs go to it), else Lines; nothing where not `shown` (a
+    rank other than 0). Plain lines go to `out`, stderr by default (stdout stays the data)."""
+    if not shown or kwargs.get("disable") or sys.stderr.isatty():
+        return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True,
+                    **{**kwargs, "disable": not shown or kwargs.get("disable", False)})
+    return Lines(iterable, total, desc, unit, kwargs.get("unit_scale", False), out)
+
+
+class Lines:
+    """What a tqdm bar shows, as a plain line: the first once the items so far say that more
+    than QUIET_S seconds are left (or, with no total, once QUIET_S have passed), then one every
+    EVERY_S, each with the time left (time per item so far x items left)."""
+
+    def __init__(self, iterable=None, total=None, desc="", unit="it", unit_scale=False,
+                 out=None):
+        self.iterable, self.desc, self.unit, self.scale = iterable, desc, unit, unit_scale
+        self.total = len(iterable) if total is None and hasattr(iterable, "__len__") else total
+        self.out, self.n, self.t0, self.said = out, 0, time.time(), None
+
+    def __iter__(self):
+        for item in self.iterable:
+            yield item
+            self.update()
+
+    def update(self, n=1):
+        self.n += n
+        now = time.time()
+        elapsed = now - self.t0
+        left = elapsed / self.n * (self.total - self.n) if self.total and self.n else None
+        if self.said is None and (elapsed if left is None else left) <= QUIET_S:
+            return
+        if self.said is not None and now - self.said < EVERY_S:
+            return
+        self.said = now
+        size = tqdm.format_sizeof if self.scale else "{:,}".format
+        done = f"{size(self.n)}/{size(self.total)}" if self.total else size(self.n)
+        more = (f" ({100 * self.n / self.total:.0f}%), about {tqdm.format_interval(left)} left"
+                if left is not None else "")
+        print(f"{self.desc}: {done} {self.unit}{more}, {tqdm.format_interval(elapsed)} so far",
+              file=self.out or sys.stderr, flush=True)
+
+    def set_postfix(self, *args, **kwargs):
+        pass
+
+    def write(self, text):
+        print(text, file=self.out or sys.stderr, flush=True)
+
+    def close(self):
+        pass
