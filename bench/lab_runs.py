@@ -1,8 +1,9 @@
 """The run helpers bench/ablation.py and bench/compare.py share: a train.py run folder's
 log, whether a finished run can be reused (by its command, or by a key of everything that
 decides it), a folder name that says what a run is, a command run with its output logged,
-progress over many runs, atomic text and figure writes, and pyplot where installed; and the
+progress over many runs, atomic text, CSV and figure writes, and pyplot where installed; and the
 code versions compare's arms run (a git revision, the working tree, a patch)."""
+import csv
 import hashlib
 import io
 import json
@@ -26,6 +27,15 @@ def write_atomic(path, text):
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def write_csv(path, rows, fields):
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(path, buf.getvalue())
+
 
 
 def read_log(run_dir):
