@@ -53,7 +53,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from extrapolation import (extrapolation, extrapolation_report, generation,  # noqa: E402
                            generation_report)
-from lab_runs import finished, pyplot, read_log, save_figure, write_atomic, write_csv  # noqa: E402
+from lab_runs import pyplot, read_log, save_figure, stale, write_atomic, write_csv  # noqa: E402
 from stats import spread  # noqa: E402
 
 # variant name -> the train.py keys that define it; everything else is shared
@@ -191,9 +191,12 @@ def train_command(args, run):
 
 
 def train_all(args, runs):
+    """Every run, in this terminal; a run is reused when it finished with the same command
+    (its key, as bench/compare.py's runs are reused by theirs)."""
     for i, run in enumerate(runs):
         cmd = train_command(args, run)
-        if not args.retrain and finished(run, cmd, args.max_iters):
+        key = {"command": cmd[1:]}  # not the interpreter's path
+        if not args.retrain and stale(run["dir"], key, args.max_iters) is None:
             print(f"[{i + 1}/{len(runs)}] {run['variant']} seed {run['seed']}: finished run "
                   f"in {run['dir']}, reused")
             continue
@@ -205,7 +208,7 @@ def train_all(args, runs):
         if rc != 0:
             sys.exit(f"error: train.py failed for {run['variant']} seed {run['seed']} "
                      f"(exit {rc}); its output is above")
-        write_atomic(os.path.join(run["dir"], "ablation_cmd.json"), json.dumps(cmd[1:]))
+        write_atomic(os.path.join(run["dir"], "run_key.json"), json.dumps(key))
 
 
 def load_logs(runs, max_iters):
