@@ -28,8 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study as bench_study  # noqa: E402  (the run helpers: shared with designs.py)
-from study import (ROOT, ensure_corpus, eval_set, evaluate, lengths_of,  # noqa: E402
-                   passkey_corpus, runs_record, tag_rows, train)
+from study import (ROOT, ensure_corpus, eval_set, evaluate, fine_tune,  # noqa: E402
+                   lengths_of, passkey_corpus, runs_record, tag_rows, train)
 from lab_runs import pyplot, save_figure  # noqa: E402
 from stats import spread  # noqa: E402
 from harness.common import cli  # noqa: E402
@@ -120,11 +120,9 @@ def fine_tunes(out, prefix, base, block, extra, iters, batch, seed):
     runs = {}
     for method in ("none",) + SCALED:
         name = f"{prefix}_ft_{method}_s{seed}"
-        runs[method] = train(out, name, ["config/small.py"] + extra + [
-            f"--init_from={base}", f"--block_size={4 * block}", f"--rope_scaling={method}",
-            f"--rope_factor={4 if method in SCALED else 1}", f"--batch_size={batch}",
-            f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
-            f"--seed={seed}"] + FT_LR, iters)
+        runs[method] = fine_tune(out, name, base, block, iters, batch, extra + [
+            f"--rope_scaling={method}", f"--rope_factor={4 if method in SCALED else 1}",
+            f"--seed={seed}"], FT_LR)
     return runs
 
 

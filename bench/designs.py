@@ -189,12 +189,10 @@ def fine_tune(args, name, base, block, data, extra, rates):
     record)."""
     base_tokens = last_line(os.path.join(base, "log.jsonl"))["tokens"]
     iters = ft_iters(args, base_tokens, block)
-    run = train(args.out, name, ["config/small.py"] + extra + args.train + [
-        f"--data_dir={data}", f"--init_from={base}", f"--block_size={4 * block}",
-        f"--batch_size={args.ft_batch}", "--gradient_accumulation_steps=1",
-        f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
-        f"--warmup_iters={min(5, iters)}"] + rates,
-        iters)
+    run = study.fine_tune(args.out, name, base, block, iters, args.ft_batch,
+                          extra + args.train + [f"--data_dir={data}",
+                                                "--gradient_accumulation_steps=1",
+                                                f"--warmup_iters={min(5, iters)}"], rates)
     tokens = last_line(os.path.join(run, "log.jsonl"))["tokens"]
     share = dict(run=name, base_tokens=base_tokens, ft_tokens=tokens, share=tokens / base_tokens)
     study.ECHO(f"{name}: {tokens:,} fine-tune tokens = {share['share']:.1%} of the "

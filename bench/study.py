@@ -79,6 +79,16 @@ def train(out, name, args, max_iters):
     return run_dir
 
 
+def fine_tune(out, name, base, block, iters, batch, extra, rates):
+    """The run `base` continued at 4 * block for `iters` iterations of `batch` sequences into
+    out/runs/name, config/small.py with `extra` (data, shape, seed, ...) and then the learning
+    `rates`, one evaluation at its end; the run's folder."""
+    return train(out, name, ["config/small.py"] + extra + [
+        f"--init_from={base}", f"--block_size={4 * block}", f"--batch_size={batch}",
+        f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5"] + rates,
+        iters)
+
+
 def evaluate(out, name, run_dir, args):
     """eval.py --json on run_dir with `args`; its JSON lines, cached in out/evals/name.json."""
     path = os.path.join(out, "evals", name + ".json")
