@@ -171,7 +171,7 @@ def decode_speed(new_tokens, reps):
         print(f"| {pos} | {' | '.join(cells)} | {per_token:.0f} |", flush=True)
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lengths", default=LENGTHS)
     ap.add_argument("--n_embd", type=int, default=384)
@@ -185,7 +185,11 @@ def main():
     ap.add_argument("--new_tokens", type=int, default=512, help="--decode: tokens generated")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: attention,pos,N
     ap.add_argument("--one_pos", help=argparse.SUPPRESS)  # internal: pos,N
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    a = parse_args()
     if a.one_pos:
         pos, N = a.one_pos.split(",")
         print(position_peak(pos, int(N), a.n_embd, a.n_head))
@@ -203,6 +207,12 @@ def main():
         attention, pos, N = a.one.split(",")
         print(json.dumps(run_one(attention, pos, int(N), a.n_embd, a.n_head, a.reps, a.chunk)))
         return
+    lengths_table(a)
+
+
+def lengths_table(a):
+    """The default table: softmax against linear attention at each length, each cell measured
+    in a fresh process (its peak memory is its own)."""
 
     def measure(attention, pos, N):
         cmd = [sys.executable, __file__, "--one", f"{attention},{pos},{N}", "--n_embd",

@@ -28,8 +28,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study as bench_study  # noqa: E402  (the run helpers: shared with designs.py)
-from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_of,  # noqa: E402
-                   passkey_corpus, tag_rows, train)
+from study import (ROOT, ensure_corpus, eval_set, evaluate, fine_tune,  # noqa: E402
+                   lengths_of, passkey_corpus, runs_record, tag_rows, train)
+from lab_runs import pyplot, save_figure  # noqa: E402
+from stats import spread  # noqa: E402
 from harness.common import cli  # noqa: E402
 
 SCALED = ("linear", "ntk", "yarn")
@@ -62,10 +64,6 @@ def parse_args(argv):
     args.pk_seeds = [int(s) for s in args.pk_seeds.split(",")]
     args.multiples = [float(m) for m in args.multiples.split(",")]
     return args
-
-
-# ----------------------------------------------------------------------------------------
-# the held-out text: long validation documents, so that 8B tokens of context exist
 
 
 # ----------------------------------------------------------------------------------------
@@ -122,11 +120,9 @@ def fine_tunes(out, prefix, base, block, extra, iters, batch, seed):
     runs = {}
     for method in ("none",) + SCALED:
         name = f"{prefix}_ft_{method}_s{seed}"
-        runs[method] = train(out, name, ["config/small.py"] + extra + [
-            f"--init_from={base}", f"--block_size={4 * block}", f"--rope_scaling={method}",
-            f"--rope_factor={4 if method in SCALED else 1}", f"--batch_size={batch}",
-            f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
-            f"--seed={seed}"] + FT_LR, iters)
+        runs[method] = fine_tune(out, name, base, block, iters, batch, extra + [
+            f"--rope_scaling={method}", f"--rope_factor={4 if method in SCALED else 1}",
+            f"--seed={seed}"], FT_LR)
     return runs
 
 
@@ -177,18 +173,10 @@ def passkey_study(args):
 # the report: tables.md, results.json, context.png
 
 
-def cell(values, fmt):
-    """Mean over seeds, with (min-max) when there are several."""
-    if not values:
-        return ""
-    mean = sum(values) / len(values)
-    return fmt.format(mean) + (f" ({fmt.format(min(values))}-{fmt.format(max(values))})"
-                               if len(values) > 1 else "")
-
-
 def grid_table(rows, block, key, fmt):
     """Markdown: a row per method, a column per length (as a multiple of B); each cell the
-    mean over seeds (and over depths for passkey cells) of `key`."""
+    mean over seeds (and over depths for passkey cells) of `key`, with (min–max) when there
+    are several seeds."""
     lengths = sorted({r["length"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     out = ["| method | " + " | ".join(f"{n / block:.3g}x ({n})" for n in lengths) + " |",
@@ -200,7 +188,8 @@ def grid_table(rows, block, key, fmt):
             per_seed = {}
             for r in hits:  # passkey: the mean over depths first, then over seeds
                 per_seed.setdefault(r["seed"], []).append(r[key])
-            cells.append(cell([sum(v) / len(v) for v in per_seed.values()], fmt))
+            cells.append(spread([sum(v) / len(v) for v in per_seed.values()], fmt)
+                         if per_seed else "")
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -222,17 +211,10 @@ def depth_tables(rows, block):
 
 def runs_table(out):
     """Markdown: every training run, its iterations, tokens and wall minutes."""
+    runs = runs_record(out)
     lines = ["| run | iterations | tokens | wall minutes |", "|---|---:|---:|---:|"]
-    runs = {}
-    for name in sorted(os.listdir(os.path.join(out, "runs"))):
-        path = os.path.join(out, "runs", name, "log.jsonl")
-        last = os.path.exists(path) and last_line(path)
-        if not last:
-            continue
-        runs[name] = dict(iterations=last["iter"], tokens=last["tokens"],
-                          minutes=last["time_s"] / 60, val_loss=last.get("val_loss"))
-        lines.append(f"| {name} | {last['iter']} | {last['tokens']:,} | "
-                     f"{last['time_s'] / 60:.1f} |")
+    lines += [f"| {name} | {r['iterations']} | {r['tokens']:,} | {r['minutes']:.1f} |"
+              for name, r in runs.items()]
     return "\n".join(lines), runs
 
 
@@ -246,13 +228,9 @@ def series(rows, key):
 
 def plot(rows, path):
     """Bits per byte against length, inference-only and fine-tuned, and passkey accuracy."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
     text = [r for r in rows if r["model"] == "text"]
     keys = [r for r in rows if r["model"] == "passkey"]
@@ -281,9 +259,7 @@ def plot(rows, path):
             ax.set_ylim(min(lim) - 0.02, max(lim) + 0.15)
         if base:  # the reference every method is measured against: the base run at 1x
             ax.axhline(sum(base) / len(base), color="grey", ls=":", lw=1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    print(f"wrote {path}")
+    print(f"wrote {save_figure(plt, fig, path, dpi=80)}")
 
 
 def report(args, rows):

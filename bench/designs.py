@@ -27,15 +27,14 @@ import os
 import sys
 import time
 
-import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study  # noqa: E402  (the run helpers: shared with context.py)
 from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_of,  # noqa: E402
-                   passkey_corpus, sh, tag_rows, train)
-from stats import interval  # noqa: E402
-from lab_runs import pyplot, save_figure, write_atomic  # noqa: E402
+                   long_corpus, passkey_mix, sh, tag_rows, train)
+from designs_report import key_counts, report, within_noise  # noqa: E402
+from lab_runs import write_atomic  # noqa: E402
 from harness.common import UserError, cli  # noqa: E402
 
 DESIGNS = ("rope:;half:rotary_fraction=0.5;"
@@ -49,8 +48,6 @@ FT_LR = ["--learning_rate=2e-4", "--muon_lr=0.004", "--min_lr=2e-5"]  # warmup: 
 # the passkey model's: part 1's fine-tune rates, which taught far recall (at FT_LR's, a passkey
 # model that recalls nothing at 1x learns nothing more in its fine-tune: docs/CONTEXT.md)
 PK_FT_LR = ["--learning_rate=6e-4", "--muon_lr=0.01", "--min_lr=6e-5"]
-GAIN, PASSKEY = 0.02, 0.90  # the targets: bits per byte gained at 4x over 1x; passkey at 4x
-SEEDS_TO_MEET = 2  # a target counts as met on this many seeds at least (one run is not a result)
 
 
 def parse_args(argv):
@@ -141,15 +138,6 @@ def parse_readings(spec):
     return out
 
 
-def reading_stages(args):
-    """The extra inference-only stages, one per --readings name."""
-    return [f"inference+{r}" for r in args.readings]
-
-
-def key_counts(args):
-    """The passkey grids: one key, and --pk_keys where it is more."""
-    return sorted({1, args.pk_keys})
-
 
 def resolve(value, block):
     """A design's value with `B/n` (or `B`) made the model's block (divided by n)."""
@@ -185,41 +173,6 @@ def bind_designs(out, designs):
 # the fine-tune: documents longer than its window, at most --ft_share of the tokens
 
 
-def long_corpus(out, data_dir, min_tokens):
-    """out/data/long<min_tokens>: the corpus's training documents of at least min_tokens
-    tokens (each with its end-of-document token), so that a fine-tune window of min_tokens is
-    one document and needs its whole length; val.bin, the tokenizer and meta.json as the
-    corpus's. Returns (folder, {documents, tokens, median and longest document})."""
-    folder = os.path.join(out, "data", f"long{min_tokens}")
-    info_path = os.path.join(folder, "long_docs.json")
-    if os.path.exists(info_path):
-        with open(info_path) as f:
-            return folder, json.load(f)
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
-    ids = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=meta["dtype"])
-    ends = np.flatnonzero(ids == meta["eos_id"])
-    starts = np.concatenate(([0], ends[:-1] + 1))
-    keep = [(s, e + 1) for s, e in zip(starts, ends) if e - s >= min_tokens]
-    if not keep:
-        raise UserError(f"{data_dir}/train.bin has no document of {min_tokens} tokens or more "
-                        f"for the fine-tune at 4B")
-    train_ids = np.concatenate([ids[s:e] for s, e in keep])
-    os.makedirs(folder, exist_ok=True)
-    train_ids.tofile(os.path.join(folder, "train.bin"))
-    for name in ("val.bin", "tokenizer.model"):
-        if not os.path.exists(os.path.join(folder, name)):
-            os.symlink(os.path.abspath(os.path.join(data_dir, name)), os.path.join(folder, name))
-    write_atomic(os.path.join(folder, "meta.json"),
-                 json.dumps(dict(meta, train_tokens=int(len(train_ids)))))
-    lengths = sorted(e - s - 1 for s, e in keep)
-    info = dict(source=data_dir, min_tokens=min_tokens, documents=len(keep),
-                tokens=int(len(train_ids)), median_tokens=int(lengths[len(lengths) // 2]),
-                longest_tokens=int(lengths[-1]))
-    write_atomic(info_path, json.dumps(info))
-    return folder, info
-
-
 def ft_iters(args, base_tokens, block):
     """The fine-tune's iterations at 4 * block: --ft_iters, or the most whose tokens stay
     within --ft_share of base_tokens; refused past the share."""
@@ -236,12 +189,10 @@ def fine_tune(args, name, base, block, data, extra, rates):
     record)."""
     base_tokens = last_line(os.path.join(base, "log.jsonl"))["tokens"]
     iters = ft_iters(args, base_tokens, block)
-    run = train(args.out, name, ["config/small.py"] + extra + args.train + [
-        f"--data_dir={data}", f"--init_from={base}", f"--block_size={4 * block}",
-        f"--batch_size={args.ft_batch}", "--gradient_accumulation_steps=1",
-        f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5",
-        f"--warmup_iters={min(5, iters)}"] + rates,
-        iters)
+    run = study.fine_tune(args.out, name, base, block, iters, args.ft_batch,
+                          extra + args.train + [f"--data_dir={data}",
+                                                "--gradient_accumulation_steps=1",
+                                                f"--warmup_iters={min(5, iters)}"], rates)
     tokens = last_line(os.path.join(run, "log.jsonl"))["tokens"]
     share = dict(run=name, base_tokens=base_tokens, ft_tokens=tokens, share=tokens / base_tokens)
     study.ECHO(f"{name}: {tokens:,} fine-tune tokens = {share['share']:.1%} of the "
@@ -306,33 +257,6 @@ def text_study(args, bar):
     return rows, shares, dict(text_ft_documents=info)
 
 
-def passkey_mix(args, name, words, tokenizer=None):
-    """out/data/name: half the documents with one unlabelled key, half with 1..--pk_keys
-    labelled ones (one tokenizer), so that both grids ask what training showed; with
-    --pk_keys=1 both halves hold one unlabelled key (two seeds), and there is one grid."""
-    folder = os.path.join(args.out, "data", name)
-    if os.path.exists(os.path.join(folder, "meta.json")):
-        return folder
-    docs, vocab = args.pk_docs // 2, ["--vocab_size", str(args.pk_vocab)]
-    multi = passkey_corpus(args.out, name + "_multi", words, docs, tokenizer,
-                           extra=["--keys", str(args.pk_keys)] + (vocab if not tokenizer else []))
-    single = passkey_corpus(args.out, name + "_single", words, docs,
-                            os.path.join(multi, "tokenizer.model"), extra=["--seed", "7"])
-    with open(os.path.join(multi, "meta.json")) as f:
-        meta = json.load(f)
-    os.makedirs(folder, exist_ok=True)
-    for split in ("train", "val"):
-        ids = np.concatenate([np.fromfile(os.path.join(d, f"{split}.bin"), dtype=meta["dtype"])
-                              for d in (multi, single)])
-        ids.tofile(os.path.join(folder, f"{split}.bin"))
-        meta[f"{split}_tokens"] = int(len(ids))
-    if not os.path.exists(os.path.join(folder, "tokenizer.model")):  # an interrupted mix
-        os.symlink(os.path.abspath(os.path.join(multi, "tokenizer.model")),
-                   os.path.join(folder, "tokenizer.model"))
-    write_atomic(os.path.join(folder, "meta.json"), json.dumps(meta))  # last: the folder is done
-    return folder
-
-
 def passkey_study(args, bar):
     """A 4-layer, 128-wide model at block B_p on documents that fit B_p whole; its fine-tune
     at 4 B_p on documents up to 4 B_p long; accuracy per length and depth, 1 and K keys."""
@@ -340,14 +264,15 @@ def passkey_study(args, bar):
     # ~3 tokens a filler word with a 1,024-piece tokenizer, ~40 tokens of one key and its
     # question, ~14 more a further labelled key
     words = lambda n: max(1, (n - 40 - 14 * (k - 1)) // 3)  # noqa: E731
-    short = passkey_mix(args, f"passkey{bp}", words(bp))
+    mix = (args.pk_docs, k, args.pk_vocab)
+    short = passkey_mix(args.out, f"passkey{bp}", words(bp), *mix)
     model = ["--n_embd=128", "--batch_size=16", "--warmup_iters=50"]
 
     def base_cmd(keys, seed):
         return ["config/small.py", f"--data_dir={short}", f"--block_size={bp}",
                 f"--lr_decay_iters={args.pk_iters}", f"--eval_interval={args.pk_iters // 3}",
                 f"--seed={seed}"] + model + args.train + design_args(keys, bp)
-    long = passkey_mix(args, f"passkey{4 * bp}", words(4 * bp),
+    long = passkey_mix(args.out, f"passkey{4 * bp}", words(4 * bp), *mix,
                        os.path.join(short, "tokenizer.model"))
     grid = ["--passkey", f"--depths={args.pk_depths}", f"--samples={args.pk_samples}",
             "--seed=4242", f"--lengths={','.join(map(str, lengths_of(bp, [1, 2, 4, 8])))}"]
@@ -377,215 +302,6 @@ def compare_stage(args):
         f"--out={os.path.join(args.out, 'compare')}", f"--block_size={args.block_size}",
         "--variant=base"] + [f"--variant={v}" for v in compare_specs(args).values()]
        + args.train + ref, os.path.join(args.out, "logs", "compare.log"))
-
-
-def within_noise(args):
-    """{design: (Δ bits/byte against the reference, the noise floor, within)} from
-    bench/compare.py's results.json: within where the design is better, or worse by no more
-    than the reference differs from itself at other seeds (the far end of its 95% interval)."""
-    path = os.path.join(args.out, "compare", "results.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        arms = {r["arm"]: r for r in json.load(f)}
-    noise = arms.get("base, other seeds", {}).get("bpb_diff")
-    if not noise:
-        return {}
-    floor = max(abs(x) for x in noise["ci95"] or [noise["mean"]])
-    out = {}
-    for name, spec in compare_specs(args).items():
-        d = arms.get(spec, {}).get("bpb_diff")
-        if d:
-            out[name] = (d["mean"], floor, d["mean"] <= floor)
-    return out
-
-
-# ----------------------------------------------------------------------------------------
-# the report: tables.md and results.json
-
-
-def seed_means(rows, key, **match):
-    """{seed: mean of key} over the rows matching every key=value (passkey: over depths)."""
-    acc = {}
-    for r in rows:
-        if all(r.get(k) == v for k, v in match.items()):
-            acc.setdefault(r["seed"], []).append(r[key])
-    return {s: sum(v) / len(v) for s, v in acc.items()}
-
-
-def show(values, fmt="{:.4f}"):
-    """Mean over seeds ± the half-width of its 95% t interval (none with one seed)."""
-    if not values:
-        return ""
-    mean, half = interval(list(values))
-    return fmt.format(mean) + ("" if half is None else " ± " + fmt.format(half))
-
-
-def lengths_in(rows, **match):
-    """The lengths read in the rows matching every key=value, in order."""
-    return sorted({r["length"] for r in rows if all(r.get(k) == v for k, v in match.items())})
-
-
-def grid(rows, designs, key, block, fmt, **match):
-    """Markdown: a row per design, a column per length (a multiple of block)."""
-    lengths = lengths_in(rows, **match)
-    out = ["| design | " + " | ".join(f"{n / block:g}x ({n})" for n in lengths) + " |",
-           "|---|" + "---:|" * len(lengths)]
-    for d in designs:
-        out.append(f"| {d} | " + " | ".join(show(seed_means(rows, key, design=d, length=n,
-                                                             **match).values(), fmt)
-                                            for n in lengths) + " |")
-    return "\n".join(out)
-
-
-def targets(args, rows):
-    """Per design: the gain of its fine-tuned 4x window over its own 1x window on text (per
-    seed), its passkey accuracy at 4x after the fine-tune (one key and K), its 1x Δ against
-    the reference (bench/compare.py), and which targets it meets (by its mean over at least
-    SEEDS_TO_MEET seeds)."""
-    B, bp, noise, out = args.block_size, args.pk_block, within_noise(args), {}
-    for d in args.designs:
-        at1 = seed_means(rows, "bits_per_byte", model="text", stage="inference", design=d,
-                         length=B)
-        at4 = seed_means(rows, "bits_per_byte", model="text", stage="finetuned", design=d,
-                         length=4 * B)
-        gain = [at1[s] - at4[s] for s in at1 if s in at4]
-        pk = {k: list(seed_means(rows, "accuracy", model="passkey", stage="finetuned", design=d,
-                                 length=4 * bp, keys=k).values()) for k in (1, args.pk_keys)}
-        cmp = noise.get(d) if d != next(iter(args.designs)) else (0.0, None, True)
-        met = [len(gain) >= SEEDS_TO_MEET and interval(gain)[0] >= GAIN,
-               len(pk[1]) >= SEEDS_TO_MEET and interval(pk[1])[0] >= PASSKEY, bool(cmp) and cmp[2]]
-        out[d] = dict(gain=gain, passkey_4x=pk[1], multikey_4x=pk[args.pk_keys],
-                      vs_reference_1x=cmp, met=met, inference_only=inference_only(args, rows, d))
-    return out
-
-
-def inference_only(args, rows, d):
-    """The design's best reading without a fine-tune (plain, or one of --readings): its stage,
-    the gain of its 4x window over the base's 1x on text (per seed) and its passkey at 4x."""
-    B, best = args.block_size, None
-    at1 = seed_means(rows, "bits_per_byte", model="text", stage="inference", design=d, length=B)
-    for stage in ["inference"] + reading_stages(args):
-        at4 = seed_means(rows, "bits_per_byte", model="text", stage=stage, design=d, length=4 * B)
-        gain = [at1[s] - at4[s] for s in at1 if s in at4]
-        pk = list(seed_means(rows, "accuracy", model="passkey", stage=stage, design=d,
-                             length=4 * args.pk_block, keys=1).values())
-        if gain and (best is None or np.mean(gain) > np.mean(best[1])):
-            best = (stage, gain, pk)
-    return best
-
-
-def targets_table(args, tg):
-    ok = {True: "yes", False: "no"}
-    lines = [f"| design | 4x fine-tuned gain over 1x (target ≥ {GAIN}) | passkey 4x (target ≥ "
-             f"{PASSKEY}) | {args.pk_keys}-key 4x | 1x Δ vs {next(iter(args.designs))} "
-             f"(noise floor) | targets met | inference only: 4x gain, passkey 4x |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for d, t in tg.items():
-        cmp = t["vs_reference_1x"]
-        cmp_cell = ("reference" if cmp and cmp[1] is None else
-                    f"{cmp[0]:+.4f} ({cmp[1]:.4f}): {'within' if cmp[2] else 'outside'}"
-                    if cmp else "not run (stage compare)")
-        lines.append(f"| {d} | {show(t['gain'])} | {show(t['passkey_4x'], '{:.2f}')} | "
-                     f"{show(t['multikey_4x'], '{:.2f}')} | {cmp_cell} | "
-                     f"{sum(t['met'])}/3 ({', '.join(ok[m] for m in t['met'])}) | "
-                     f"{inference_cell(t['inference_only'])} |")
-    if not any(t["gain"] for t in tg.values()):
-        return "\n".join(lines + ["\nBest design: none yet (no fine-tuned text readings)."])
-    best = max(tg, key=lambda d: (sum(tg[d]["met"]), interval(tg[d]["gain"])[0]
-                                  if tg[d]["gain"] else -1e9))
-    lines.append(f"\nBest design: **{best}**, {sum(tg[best]['met'])} of 3 targets met "
-                 f"(gain, passkey, 1x within noise).")
-    return "\n".join(lines)
-
-
-def inference_cell(best):
-    if not best:
-        return ""
-    stage, gain, pk = best
-    return f"{show(gain)}, {show(pk, '{:.2f}') or 'not read'} ({stage})"
-
-
-def runs_record(out):
-    """{run: iterations, tokens, wall minutes} of every run in out/runs with a log."""
-    runs, folder = {}, os.path.join(out, "runs")
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        path = os.path.join(folder, name, "log.jsonl")
-        last = os.path.exists(path) and last_line(path)
-        if last:
-            runs[name] = dict(iterations=last["iter"], tokens=last["tokens"],
-                              minutes=last["time_s"] / 60)
-    return runs
-
-
-def plot(args, rows, path):
-    """Panels against the window length (mean over seeds; dashed: inference only, solid:
-    fine-tuned at 4x): bits per byte on long text, passkey accuracy with 1 key (and with K)."""
-    plt = pyplot()
-    if plt is None or not rows:
-        return None
-    panels = [("text", 0, "bits_per_byte", "long text: bits per byte"),
-              ("passkey", 1, "accuracy", "passkey, 1 key: accuracy")]
-    if args.pk_keys > 1:
-        panels.append(("passkey", args.pk_keys, "accuracy", f"passkey, {args.pk_keys} keys: "
-                                                            f"accuracy"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8))
-    panels = [(ax, *panel) for ax, panel in zip(axes, panels)]
-    colors = dict(zip(args.designs, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3))
-    for ax, model, keys, key, title in panels:
-        block = args.block_size if model == "text" else args.pk_block
-        for d in args.designs:
-            for stage, ls in (("inference", "--"), ("finetuned", "-")):
-                match = dict(model=model, design=d, stage=stage) | (
-                    dict(keys=keys) if keys else {})
-                pts = lengths_in(rows, **match)
-                ys = [np.mean(list(seed_means(rows, key, length=n, **match).values()))
-                      for n in pts]
-                if pts:
-                    ax.plot([n / block for n in pts], ys, ls=ls, marker="o", ms=3,
-                            color=colors[d], label=d if stage == "finetuned" else None)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([1, 2, 4, 8], ["1x", "2x", "4x", "8x"])
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("window, multiples of the trained block")
-        ax.legend(fontsize=7)
-    axes[0].set_ylabel("bits per byte (lower is better)")
-    axes[1].set_ylabel("mean accuracy over depths")
-    for ax in axes[1:]:
-        ax.set_ylim(-0.03, 1.03)
-    fig.suptitle("dashed: inference only; solid: fine-tuned at 4x", fontsize=9)
-    return save_figure(plt, fig, path, dpi=80)
-
-
-def report(args, rows, shares, info):
-    runs, B, bp, names = runs_record(args.out), args.block_size, args.pk_block, list(args.designs)
-    tg = targets(args, rows)
-    parts = ["# Position designs (bench/designs.py)\n", f"## Targets ({args.seeds} seeds)\n",
-             targets_table(args, tg),
-             "\n## Training runs (wall minutes on the machine they ran on)\n",
-             "| run | iterations | tokens | wall minutes |", "|---|---:|---:|---:|"]
-    parts += [f"| {n} | {r['iterations']} | {r['tokens']:,} | {r['minutes']:.2f} |"
-              for n, r in runs.items()]
-    parts += ["\n## Fine-tune tokens as a share of pretraining\n",
-              "\n".join(f"- {k}: {v}" for k, v in info.items()),
-              "\n| run | fine-tune tokens | pretraining tokens | share |", "|---|---:|---:|---:|"]
-    parts += [f"| {s['run']} | {s['ft_tokens']:,} | {s['base_tokens']:,} | {s['share']:.1%} |"
-              for s in shares]
-    for stage in ["inference", "finetuned"] + reading_stages(args):
-        parts += [f"\n## Text, {stage}: bits per byte (mean ± 95% interval over seeds)\n",
-                  grid(rows, names, "bits_per_byte", B, "{:.4f}", model="text", stage=stage)]
-        for k in key_counts(args):
-            parts += [f"\n## Passkey, {k} key(s), {stage}: mean accuracy over depths\n",
-                      grid(rows, names, "accuracy", bp, "{:.2f}", model="passkey",
-                           stage=stage, keys=k)]
-    write_atomic(os.path.join(args.out, "tables.md"), "\n".join(parts) + "\n")
-    write_atomic(os.path.join(args.out, "results.json"), json.dumps(
-        dict(designs=args.designs, runs=runs, shares=shares, info=info, targets=tg, rows=rows),
-        indent=1))
-    if plot(args, rows, os.path.join(args.out, "designs.png")):
-        print(f"wrote {args.out}/designs.png")
-    print("\n".join(parts[1:4]))
-    print(f"wrote {args.out}/tables.md and results.json")
 
 
 def stored(out, stage):
@@ -618,7 +334,8 @@ def main(argv):
     if "report" in args.stages:
         got = [stored(args.out, s) for s in ("text", "passkey")]
         report(args, sum((g[0] for g in got), []), sum((g[1] for g in got), []),
-               {k: v for g in got for k, v in g[2].items()})
+               {k: v for g in got for k, v in g[2].items()},
+               within_noise(args.out, compare_specs(args)))
     print(f"done in {(time.time() - t0) / 60:.1f} minutes")
 
 

@@ -1,8 +1,10 @@
 """The run helpers bench/ablation.py and bench/compare.py share: a train.py run folder's
-log, whether a finished run can be reused (by its command, or by a key of everything that
-decides it), a folder name that says what a run is, a command run with its output logged,
-progress over many runs, atomic text and figure writes, and pyplot where installed; and the
-code versions compare's arms run (a git revision, the working tree, a patch)."""
+log, whether a finished run can be reused (by a key of everything that decides it; for
+ablation.py, its command), a folder name that says what a run is, a command run with its
+output logged, progress over many runs, atomic text, CSV and figure writes, and pyplot where
+installed; and the code versions compare's arms run (a git revision, the working tree, a
+patch)."""
+import csv
 import hashlib
 import io
 import json
@@ -28,24 +30,21 @@ def write_atomic(path, text):
     os.replace(tmp, path)
 
 
+def write_csv(path, rows, fields):
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(path, buf.getvalue())
+
+
+
 def read_log(run_dir):
     path = os.path.join(run_dir, "log.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def finished(run, cmd, max_iters):
-    """A run can be reused if it ran this exact command to the end."""
-    try:
-        with open(os.path.join(run["dir"], "ablation_cmd.json")) as f:
-            same = json.load(f) == cmd[1:]  # not the interpreter's path
-    except (OSError, ValueError):
-        return False
-    log = read_log(run["dir"])
-    return (same and os.path.exists(os.path.join(run["dir"], "ckpt.pt"))
-            and bool(log) and log[-1]["iter"] >= max_iters)
 
 
 def stale(run_dir, key, max_iters):

@@ -67,45 +67,10 @@ def make_corpus(workdir, size, forms):
     returns {form: [(fraction, inputs)]}."""
     done_flag = os.path.join(workdir, "done-" + "-".join(sorted(forms)))
     txt = os.path.join(workdir, "corpus.txt")
-    shard_size = size / SHARDS
     if not os.path.exists(done_flag):
-        os.makedirs(os.path.join(workdir, "jsonl.gz"), exist_ok=True)
-        os.makedirs(os.path.join(workdir, "parquet"), exist_ok=True)
         t0 = time.time()
-        cuts = {}  # fraction -> byte offset of the .txt at a document boundary
-        with open(txt, "w", encoding="utf-8") as ft:
-            shard, shard_docs, shard_bytes, written = 0, [], 0, 0
-
-            def flush():
-                nonlocal shard, shard_docs, shard_bytes
-                name = f"shard{shard:03d}"
-                if "jsonl.gz" in forms:
-                    with gzip.open(os.path.join(workdir, "jsonl.gz", name + ".jsonl.gz"), "wt",
-                                   encoding="utf-8", compresslevel=6) as f:
-                        f.writelines(json.dumps({"id": i, "text": d}) + "\n"
-                                     for i, d in enumerate(shard_docs))
-                if "parquet" in forms:
-                    import pyarrow as pa
-                    import pyarrow.parquet as pq
-                    pq.write_table(pa.table({"text": shard_docs}),
-                                   os.path.join(workdir, "parquet", name + ".parquet"),
-                                   row_group_size=2000)
-                shard, shard_docs, shard_bytes = shard + 1, [], 0
-            for d in (d for docs in documents(size) for d in docs):
-                if written >= size:
-                    break
-                ft.write(d + "\n\n")
-                written += len(d) + 2
-                shard_docs.append(d)
-                shard_bytes += len(d) + 2
-                if shard_bytes >= shard_size:
-                    flush()
-                    for frac in (0.25, 0.5):
-                        if shard == int(SHARDS * frac):
-                            cuts[frac] = written
-            if shard_docs:
-                flush()
-        for frac, at in cuts.items():
+        cuts = write_corpus(workdir, txt, size, forms)
+        for frac, at in cuts.items():  # corpus-FRAC.txt: the .txt's first FRAC
             part = os.path.join(workdir, f"corpus-{frac}.txt")
             with open(txt, "rb") as src, open(part, "wb") as dst:
                 left = at
@@ -122,6 +87,48 @@ def make_corpus(workdir, size, forms):
     inputs["txt"] = [(frac, [os.path.join(workdir, f"corpus-{frac}.txt")]) for frac in (0.25, 0.5)]
     inputs["txt"].append((1.0, [txt]))
     return inputs
+
+
+def write_corpus(workdir, txt, size, forms):
+    """size bytes of documents into txt and, in SHARDS shards, the other forms asked for;
+    returns {fraction: byte offset of the .txt at the document boundary where that fraction
+    of the shards ends}."""
+    os.makedirs(os.path.join(workdir, "jsonl.gz"), exist_ok=True)
+    os.makedirs(os.path.join(workdir, "parquet"), exist_ok=True)
+    shard_size, cuts = size / SHARDS, {}
+    with open(txt, "w", encoding="utf-8") as ft:
+        shard, shard_docs, shard_bytes, written = 0, [], 0, 0
+
+        def flush():
+            nonlocal shard, shard_docs, shard_bytes
+            name = f"shard{shard:03d}"
+            if "jsonl.gz" in forms:
+                with gzip.open(os.path.join(workdir, "jsonl.gz", name + ".jsonl.gz"), "wt",
+                               encoding="utf-8", compresslevel=6) as f:
+                    f.writelines(json.dumps({"id": i, "text": d}) + "\n"
+                                 for i, d in enumerate(shard_docs))
+            if "parquet" in forms:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+                pq.write_table(pa.table({"text": shard_docs}),
+                               os.path.join(workdir, "parquet", name + ".parquet"),
+                               row_group_size=2000)
+            shard, shard_docs, shard_bytes = shard + 1, [], 0
+        for d in (d for docs in documents(size) for d in docs):
+            if written >= size:
+                break
+            ft.write(d + "\n\n")
+            written += len(d) + 2
+            shard_docs.append(d)
+            shard_bytes += len(d) + 2
+            if shard_bytes >= shard_size:
+                flush()
+                for frac in (0.25, 0.5):
+                    if shard == int(SHARDS * frac):
+                        cuts[frac] = written
+        if shard_docs:
+            flush()
+    return cuts
 
 
 def tree_pss(root):
@@ -188,7 +195,7 @@ def ceiling(model, docs, mb, num_proc):
     return mb / t, mb / cpu
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size", default="2G", help="corpus size (text bytes): 2G, 500M, ...")
     ap.add_argument("--workdir", default=os.path.join("/tmp", "roformer-bench-prepare"))
@@ -199,18 +206,28 @@ def main():
     ap.add_argument("--ceiling_mb", type=float, default=64.0,
                     help="text encoded in memory for the ceiling")
     ap.add_argument("--no_single", action="store_true", help="skip the 1-process run")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def first_documents(mb_wanted):
+    """The corpus's first documents, about mb_wanted MB of them, for the ceiling: (docs, MB)."""
+    docs, mb = [], 0.0
+    for d in (d for batch in documents(int(mb_wanted * 1e6)) for d in batch):
+        if mb >= mb_wanted:
+            break
+        docs.append(d)
+        mb += len(d) / 1e6
+    return docs, mb
+
+
+def main():
+    a = parse_args()
     import sentencepiece as spm
 
     size = parse_size(a.size)
     workdir = os.path.join(a.workdir, str(size))
     forms = make_corpus(workdir, size, a.forms)
-    docs, mb = [], 0.0  # the corpus's first documents, for the ceiling
-    for d in (d for batch in documents(int(a.ceiling_mb * 1e6)) for d in batch):
-        if mb >= a.ceiling_mb:
-            break
-        docs.append(d)
-        mb += len(d) / 1e6
+    docs, mb = first_documents(a.ceiling_mb)
     extra = ["--vocab_size", str(a.vocab_size)]
     print(f"# data/text/prepare.py, synthetic corpus of {size / 1e9:.2f} GB, {os.cpu_count()} "
           f"cores, --num_proc {a.num_proc}, vocab {a.vocab_size}, sentencepiece "
@@ -241,6 +258,12 @@ def main():
     print(f"# load average now: {os.getloadavg()[0]:.1f}. encode: the encoding pass (read, "
           f"parse, encode, write); encode CPU efficiency: MB per CPU second of that pass (all "
           f"processes) against the ceiling's")
+    growth(a, rows)
+
+
+def growth(a, rows):
+    """The peak memory at 1/2 and the whole corpus against 1/4, per form, and one process
+    against --num_proc."""
     print("\n| form | peak at 1/2 vs 1/4 | peak at full vs 1/4 |")
     print("|---|---:|---:|")
     for form in a.forms:

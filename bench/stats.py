@@ -1,5 +1,6 @@
 """Student's t from the regularised incomplete beta function (no scipy): bench/compare.py's
-paired test and bench/designs.py's intervals over seeds."""
+paired test and bench/designs.py's intervals over seeds; and the plain spread over seeds that
+bench/ablation.py's and bench/context.py's tables give."""
 import math
 
 
@@ -77,3 +78,15 @@ def mean_std(xs):
         return None, None
     m = sum(xs) / len(xs)
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+
+
+def spread(values, fmt="{:.3f}"):
+    """'mean' for one value, 'mean (min-max)' for several: the seed-to-seed spread."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    m = fmt.format(sum(values) / len(values))
+    if len(values) == 1:
+        return m
+    return f"{m} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+

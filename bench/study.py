@@ -1,6 +1,7 @@
 """The study helpers bench/context.py and bench/designs.py share: running the repo's scripts
-(train.py resumably, eval.py with its JSON cached), the held-out long documents and the passkey
-corpora. A failed script stops the study in one line naming its log."""
+(train.py resumably, eval.py with its JSON cached), the record of the runs made, the held-out
+long documents, the fine-tunes' long training documents and the passkey corpora. A failed
+script stops the study in one line naming its log."""
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from harness.common import UserError  # noqa: E402
+from lab_runs import write_atomic  # noqa: E402  (the importers put bench/ on sys.path)
 
 GENERATED = re.compile(r"Codec|generated|DO NOT EDIT")  # the first 100 tokens of a document
 COLLECT = False  # --collect: read what is finished, train and evaluate nothing
@@ -51,6 +53,19 @@ def last_line(path):
     return json.loads(lines[-1]) if lines else None
 
 
+def runs_record(out):
+    """{run: iterations, tokens, wall minutes, last val loss} of every run in out/runs with a
+    log."""
+    runs, folder = {}, os.path.join(out, "runs")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        path = os.path.join(folder, name, "log.jsonl")
+        last = os.path.exists(path) and last_line(path)
+        if last:
+            runs[name] = dict(iterations=last["iter"], tokens=last["tokens"],
+                              minutes=last["time_s"] / 60, val_loss=last.get("val_loss"))
+    return runs
+
+
 def train(out, name, args, max_iters):
     """train.py with `args` into out/runs/name, unless a run there already reached max_iters."""
     run_dir = os.path.join(out, "runs", name)
@@ -62,6 +77,16 @@ def train(out, name, args, max_iters):
     sh(["train.py"] + args + [f"--out_dir={run_dir}", f"--max_iters={max_iters}",
                               "--compile=False"], os.path.join(out, "logs", name + ".log"))
     return run_dir
+
+
+def fine_tune(out, name, base, block, iters, batch, extra, rates):
+    """The run `base` continued at 4 * block for `iters` iterations of `batch` sequences into
+    out/runs/name, config/small.py with `extra` (data, shape, seed, ...) and then the learning
+    `rates`, one evaluation at its end; the run's folder."""
+    return train(out, name, ["config/small.py"] + extra + [
+        f"--init_from={base}", f"--block_size={4 * block}", f"--batch_size={batch}",
+        f"--lr_decay_iters={iters}", f"--eval_interval={iters}", "--eval_iters=5"] + rates,
+        iters)
 
 
 def evaluate(out, name, run_dir, args):
@@ -143,3 +168,66 @@ def passkey_corpus(out, name, words, docs, tokenizer=None, extra=()):
            + list(extra),
            os.path.join(out, "logs", f"prepare_{name}.log"))
     return path
+
+
+def long_corpus(out, data_dir, min_tokens):
+    """out/data/long<min_tokens>: the corpus's training documents of at least min_tokens
+    tokens (each with its end-of-document token), so that a fine-tune window of min_tokens is
+    one document and needs its whole length; val.bin, the tokenizer and meta.json as the
+    corpus's. Returns (folder, {documents, tokens, median and longest document})."""
+    folder = os.path.join(out, "data", f"long{min_tokens}")
+    info_path = os.path.join(folder, "long_docs.json")
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            return folder, json.load(f)
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    ids = np.fromfile(os.path.join(data_dir, "train.bin"), dtype=meta["dtype"])
+    ends = np.flatnonzero(ids == meta["eos_id"])
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    keep = [(s, e + 1) for s, e in zip(starts, ends) if e - s >= min_tokens]
+    if not keep:
+        raise UserError(f"{data_dir}/train.bin has no document of {min_tokens} tokens or more "
+                        f"for a fine-tune at that window")
+    train_ids = np.concatenate([ids[s:e] for s, e in keep])
+    os.makedirs(folder, exist_ok=True)
+    train_ids.tofile(os.path.join(folder, "train.bin"))
+    for name in ("val.bin", "tokenizer.model"):
+        if not os.path.exists(os.path.join(folder, name)):
+            os.symlink(os.path.abspath(os.path.join(data_dir, name)), os.path.join(folder, name))
+    write_atomic(os.path.join(folder, "meta.json"),
+                 json.dumps(dict(meta, train_tokens=int(len(train_ids)))))
+    lengths = sorted(e - s - 1 for s, e in keep)
+    info = dict(source=data_dir, min_tokens=min_tokens, documents=len(keep),
+                tokens=int(len(train_ids)), median_tokens=int(lengths[len(lengths) // 2]),
+                longest_tokens=int(lengths[-1]))
+    write_atomic(info_path, json.dumps(info))
+    return folder, info
+
+
+def passkey_mix(out, name, words, docs, keys, vocab, tokenizer=None):
+    """out/data/name: `docs` documents, half with one unlabelled key, half with 1..keys
+    labelled ones (one tokenizer of `vocab` pieces, or `tokenizer`'s), so that both of
+    bench/designs.py's grids ask what training showed; with keys=1 both halves hold one
+    unlabelled key (two seeds), and there is one grid."""
+    folder = os.path.join(out, "data", name)
+    if os.path.exists(os.path.join(folder, "meta.json")):
+        return folder
+    docs, vocab = docs // 2, ["--vocab_size", str(vocab)]
+    multi = passkey_corpus(out, name + "_multi", words, docs, tokenizer,
+                           extra=["--keys", str(keys)] + (vocab if not tokenizer else []))
+    single = passkey_corpus(out, name + "_single", words, docs,
+                            os.path.join(multi, "tokenizer.model"), extra=["--seed", "7"])
+    with open(os.path.join(multi, "meta.json")) as f:
+        meta = json.load(f)
+    os.makedirs(folder, exist_ok=True)
+    for split in ("train", "val"):
+        ids = np.concatenate([np.fromfile(os.path.join(d, f"{split}.bin"), dtype=meta["dtype"])
+                              for d in (multi, single)])
+        ids.tofile(os.path.join(folder, f"{split}.bin"))
+        meta[f"{split}_tokens"] = int(len(ids))
+    if not os.path.exists(os.path.join(folder, "tokenizer.model")):  # an interrupted mix
+        os.symlink(os.path.abspath(os.path.join(multi, "tokenizer.model")),
+                   os.path.join(folder, "tokenizer.model"))
+    write_atomic(os.path.join(folder, "meta.json"), json.dumps(meta))  # last: the folder is done
+    return folder

@@ -17,11 +17,12 @@ the numbers stay comparable with the CPU ones).
 
 The last three run at nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12,
 vocab 65, float32, eager, AdamW, clip 1.0) on random tokens, at each of --threads torch
-threads. The reference, the nanoGPT-equivalent step, is our RoFormer with learned positions
-(recipe_model("learned"): nanoGPT's architecture, learned positions, pre-LayerNorm blocks
-without biases, causal SDPA, GELU MLP, tied head) under torch's AdamW as nanoGPT builds it on
-CPU (weight decay on the matrices, plain_optimizer) in a plain loop (plain_steps: lr write, a
-batch drawn from a fresh memmap, forward, backward, clip, step, zero_grad, loss.item()).
+threads. The reference, the nanoGPT-equivalent step (bench/nanogpt_recipe.py), is our
+RoFormer with learned positions (recipe_model("learned"): nanoGPT's architecture, learned
+positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head) under
+torch's AdamW as nanoGPT builds it on CPU (weight decay on the matrices, plain_optimizer) in a
+plain loop (plain_steps: lr write, a batch drawn from a fresh memmap, forward, backward, clip,
+step, zero_grad, loss.item()).
 --overhead=True: per-iteration time, one iteration being the time between two
 optimizer.zero_grad calls, of (1) that nanoGPT-equivalent step, (2) the same plain loop on our
 RoFormer with RoPE, (3) train.py itself (RoPE), run in this process, so everything it does per
@@ -34,24 +35,12 @@ them) against `python bench/train_speed.py --plain_run=DIR`: the nanoGPT-equival
 the same evaluations and checkpoint writes; alternated over --rounds rounds.
 --profile=True: torch.profiler over --steps iterations of train.py and of the plain loop on
 our RoFormer (RoPE): per-iteration CPU time by op for each, and the ops where they differ.
---target=True: quality per unit of time. nanoGPT's shakespeare_char CPU recipe (the shape
-above, dropout 0, --target_iters=2000 iterations, lr 1e-3 warmed up over 100 and cosine-decayed
-to 1e-4 at 2000, betas 0.9/0.99, weight decay 0.1, clip 1.0) on a character-level text
-(--text: a file, or a folder's .txt files in name order, cut to --text_chars characters; its
-first 90% trains, the last 10% is held out, as nanoGPT splits). The nanoGPT-equivalent model
-with AdamW ("nanoGPT" below), and our RoFormer (RoPE) with Muon (--muon_lr; AdamW at the
-recipe's rate for the rest) and with AdamW, from the same seed and the same batches. They
-alternate in chunks of --target_eval iterations (so the shared machine's load hits all alike),
-each chunk timed, then scored on the same --target_batches held-out batches. The target is
-nanoGPT's final held-out loss; the table gives the first scored iteration at which each run
-reaches it, the training time (scoring excluded) taken to get there, nanoGPT's time over the
-same iterations, and the time to the target as a fraction of nanoGPT's whole run: (ours /
-nanoGPT's, same iterations, same load) x iteration / --target_iters, so a load that drifts
-during the run does not bias it.
+--target=True: quality per unit of time, the time our RoFormer (Muon, AdamW) takes to
+reach nanoGPT's final held-out loss on nanoGPT's shakespeare_char CPU recipe
+(bench/nanogpt_recipe.py says how).
 """
 import contextlib
 import json
-import math
 import os
 import runpy
 import signal
@@ -67,10 +56,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.common import UserError  # noqa: E402
 from harness.config import configure  # noqa: E402
-from harness.device import native_bf16  # noqa: E402
 from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nanogpt_recipe import (BETAS, LR, RECIPE, WEIGHT_DECAY, plain_model,  # noqa: E402
+                            plain_optimizer, plain_run, plain_steps, target)
 
 defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": True,
             "device": "cpu", "batch_size": 0, "overhead": False, "rounds": 5, "whole": False,
@@ -83,53 +74,6 @@ try:
 except UserError as e:
     sys.exit(f"error: {e}")
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, vocab_size=65)
-LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.99)
-
-
-def recipe_model(pos, vocab_size=RECIPE["vocab_size"]):
-    """nanoGPT's CPU shape as our RoFormer. pos="learned" is the nanoGPT-equivalent model:
-    learned positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head."""
-    shape = dict(RECIPE, vocab_size=vocab_size)
-    del shape["batch_size"]
-    return RoFormer(RoFormerConfig(pos_encoding=pos, bias=False, dropout=0.0, **shape))
-
-
-def plain_model(pos):
-    torch.manual_seed(1337)
-    return recipe_model(pos)
-
-
-def plain_optimizer(model):
-    params = list(model.parameters())
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2],
-                               "weight_decay": WEIGHT_DECAY},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=LR, betas=BETAS)
-
-
-def plain_batch(data_dir, split, gen):
-    data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
-    T = RECIPE["block_size"]
-    start = gen.integers(0, len(data) - T, RECIPE["batch_size"])
-    window = torch.from_numpy(data[start[:, None] + np.arange(T + 1)].astype(np.int64))
-    return window[:, :-1], window[:, 1:]
-
-
-def plain_steps(model, opt, data_dir, n, gen, it0=0):
-    """n iterations of the plain loop; returns the last loss."""
-    for it in range(it0, it0 + n):
-        lr = LR * min(1.0, (it + 1) / 100)  # warmup, as a schedule costs
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = plain_batch(data_dir, "train", gen)
-        loss = model(x, y)[1]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        lossf = loss.item()
-    return lossf
 
 
 REAL_ZERO_GRAD = torch.optim.Optimizer.zero_grad
@@ -180,7 +124,7 @@ def make_random_data(d):
             os.path.join(d, f"{split}.bin"))
     with open(os.path.join(d, "meta.json"), "w") as f:
         json.dump({"name": "random", "vocab_size": RECIPE["vocab_size"], "dtype": "uint16",
-                   "eos_id": None, "bos_id": None, "train_tokens": 200_000,
+                   "eos_id": -1, "bos_id": -1, "train_tokens": 200_000,
                    "val_tokens": 20_000}, f)
 
 
@@ -225,34 +169,6 @@ def overhead(threads):
         print(f"| {STEP_NAMES[k]} | {1e3 * med[k]:.2f} | {tokens / med[k]:,.0f} | "
               f"{med[k] / med['learned']:.3f} | {', '.join(f'{x:.3f}' for x in ratios[k])} |")
 
-
-def plain_run(data_dir):
-    """The whole plain command (--plain_run=DIR): the nanoGPT-equivalent plain loop (learned
-    positions) for --iters iterations with train.py's evaluations and checkpoint writes, one
-    line per 10 iterations."""
-    model = plain_model("learned")
-    opt = plain_optimizer(model)
-    gen = np.random.default_rng(1337)
-    out = os.path.join(data_dir, "plain-out")
-    os.makedirs(out, exist_ok=True)
-    n, every = args["iters"], args["eval_interval"]
-    for it in range(0, n + 1, 10):
-        if it % every == 0 or it == n:
-            model.eval()
-            with torch.no_grad():
-                for i, split in enumerate(("train", "val")):
-                    egen = np.random.default_rng([1337, i])
-                    losses = [model(*plain_batch(data_dir, split, egen))[1].item()
-                              for _ in range(args["eval_iters"])]
-                    print(f"iter {it}: {split} {sum(losses) / len(losses):.4f}")
-            model.train()
-            if it > 0:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                           os.path.join(out, "ckpt.pt.tmp"))
-                os.replace(os.path.join(out, "ckpt.pt.tmp"), os.path.join(out, "ckpt.pt"))
-        if it < n:
-            print(f"iter {it + 10}: loss {plain_steps(model, opt, data_dir, 10, gen, it):.4f}",
-                  flush=True)
 
 
 def whole(threads):
@@ -350,123 +266,10 @@ def adamw_step(threads):
         print(f"| {k} | {1e3 * statistics.median(t):.2f} |")
 
 
-def char_text():
-    """--text as one string (a folder: its .txt files in name order), cut to --text_chars."""
-    path = os.path.join(here, args["text"])
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs
-                       if f.endswith(".txt"))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        sys.exit(f"error: --text={args['text']} is not a file or folder (nanoGPT's input.txt, "
-                 f"or any text: --text=PATH)")
-    parts, size = [], 0
-    for f in files:
-        with open(f, encoding="utf-8", errors="replace") as fh:
-            parts.append(fh.read())
-        size += len(parts[-1])
-        if size >= args["text_chars"]:
-            break
-    return "".join(parts)[:args["text_chars"]]
-
-
-def recipe_lr(it, n):
-    """nanoGPT's schedule at its shakespeare_char settings: warmup 100, cosine to lr/10 at n."""
-    if it < 100:
-        return LR * (it + 1) / 101
-    ratio = min(1.0, (it - 100) / (n - 100))
-    return LR / 10 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - LR / 10)
-
-
-class TargetRun:
-    """One model + optimizer trained in chunks, its batches from its own seeded generator."""
-
-    def __init__(self, kind, vocab_size):
-        torch.manual_seed(args["seed"])  # the same initial draw for every run
-        if kind == "nanoGPT, AdamW":
-            self.model = recipe_model("learned", vocab_size)
-            self.opt = plain_optimizer(self.model)
-        else:
-            self.model = recipe_model("rope", vocab_size)
-            self.opt = build_optimizer(self.model, LR, WEIGHT_DECAY, BETAS, "cpu",
-                                       name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
-                                       bf16=native_bf16("cpu"))  # as train.py builds it
-        self.kind, self.gen = kind, np.random.default_rng(args["seed"])
-        self.it, self.seconds, self.curve = 0, 0.0, []  # curve: (iteration, seconds, val loss)
-
-    def train(self, data, n):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            frac = recipe_lr(self.it, args["target_iters"]) / LR  # of each group's peak rate
-            for g in self.opt.param_groups:
-                g["lr"] = frac * g.get("base_lr", LR)
-            start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
-            xy = torch.from_numpy(data[start[:, None] + np.arange(RECIPE["block_size"] + 1)])
-            loss = self.model(xy[:, :-1], xy[:, 1:])[1]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            loss.item()  # nanoGPT reads the loss every iteration (its log line)
-            self.it += 1
-        self.seconds += time.perf_counter() - t0
-
-    def score(self, batches):
-        self.model.eval()
-        with torch.no_grad():
-            loss = statistics.mean(self.model(x, y)[1].item() for x, y in batches)
-        self.model.train()
-        self.curve.append((self.it, self.seconds, loss))
-
-
-def target(threads):
-    torch.set_num_threads(threads)
-    text = char_text()
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    ids = np.fromiter((lookup[c] for c in text), dtype=np.int64, count=len(text))
-    cut = int(0.9 * len(ids))
-    train_ids, val_ids = ids[:cut], ids[cut:]
-    vgen, T = np.random.default_rng([args["seed"], 1]), RECIPE["block_size"]
-    batches = []
-    for _ in range(args["target_batches"]):
-        xy = torch.from_numpy(val_ids[vgen.integers(0, len(val_ids) - T, RECIPE["batch_size"])
-                                      [:, None] + np.arange(T + 1)])
-        batches.append((xy[:, :-1], xy[:, 1:]))
-    runs = [TargetRun(k, len(chars)) for k in ("nanoGPT, AdamW", "ours, Muon", "ours, AdamW")]
-    n, every = args["target_iters"], args["target_eval"]
-    for c in range(0, n, every):
-        for r in runs[c // every % 3:] + runs[:c // every % 3]:  # rotate who goes first
-            r.train(train_ids, min(every, n - c))
-            r.score(batches)
-        print(f"iter {runs[0].it}: " + ", ".join(f"{r.curve[-1][2]:.4f} ({r.seconds:.2f} s)"
-                                                 for r in runs), file=sys.stderr, flush=True)
-    base = runs[0]
-    goal = base.curve[-1][2]
-    shape = {k: v for k, v in RECIPE.items() if k != "vocab_size"}
-    print(f"\n{args['text']}: {len(text):,} characters, vocab {len(chars)}, held out the last "
-          f"10%; nanoGPT's CPU recipe {shape}, {n} iterations, float32, eager, {threads} "
-          f"thread(s), seed {args['seed']}, muon_lr {args['muon_lr']}; held-out loss (nats/char) "
-          f"over {args['target_batches']} batches every {every} iterations; time = training only")
-    # The machine is shared and its load drifts, but each chunk of every run ran side by side:
-    # so the time to the target is compared with nanoGPT's time over the same iterations, and
-    # scaled by that iteration's share of nanoGPT's run (its steps all cost the same work).
-    print("| run | final loss | - nanoGPT's | reaches nanoGPT's final at iter | train s there | "
-          "nanoGPT's s there | time vs nanoGPT's whole run | total train s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in runs:
-        hit = next(((i, s) for i, s, v in r.curve if v <= goal), None)
-        where = "- | - | - | -"
-        if hit:
-            base_s = next(s for i, s, _ in base.curve if i == hit[0])
-            where = f"{hit[0]} | {hit[1]:.1f} | {base_s:.1f} | {hit[1] / base_s * hit[0] / n:.2f}x"
-        print(f"| {r.kind} | {r.curve[-1][2]:.4f} | "
-              f"{r.curve[-1][2] - goal:+.4f} | {where} | {r.seconds:.1f} |")
 
 
 if args["plain_run"]:
-    plain_run(args["plain_run"])
+    plain_run(args["plain_run"], args)
     sys.exit(0)
 if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"] or args["target"]:
     for threads in map(int, str(args["threads"]).split(",")):
@@ -479,7 +282,7 @@ if args["overhead"] or args["whole"] or args["profile"] or args["adamw_step"] or
         if args["adamw_step"]:
             adamw_step(threads)
         if args["target"]:
-            target(threads)
+            target(threads, args)
     sys.exit(0)
 scope = {}
 with open(os.path.join(here, args["config"])) as f:

@@ -1,5 +1,6 @@
-"""bench/ablation.py: its evaluation pieces against naive recomputation, and a smoke run of the
-whole pipeline (the real train.py, tiny data made here) that checks the outputs' structure."""
+"""bench/ablation.py: its evaluation pieces (bench/extrapolation.py) against naive
+recomputation, and a smoke run of the whole pipeline (the real train.py, tiny data made here)
+that checks the outputs' structure."""
 import csv
 import importlib.util
 import json
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("ablation", os.path.join(ROOT, "bench", "ablation.py"))
 ablation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ablation)
+import extrapolation  # noqa: E402  (ablation.py put bench/ on sys.path)
 
 
 def tiny(**kw):
@@ -30,23 +32,23 @@ def tiny(**kw):
 def test_crop_losses_equal_one_window_at_a_time(attention, stride):
     m = tiny(attention=attention, linear_chunk=4)
     x = torch.randint(0, 61, (30,))
-    got = ablation.crop_losses(m, x, batch=5, stride=stride)
+    got = extrapolation.crop_losses(m, x, batch=5, stride=stride)
     want = []
     with torch.no_grad():
-        for t in ablation.scored_positions(29, 8, stride).tolist():
+        for t in extrapolation.scored_positions(29, 8, stride).tolist():
             logits = m(x[max(0, t - 7):t + 1][None])[0][0, -1]
             want.append(F.cross_entropy(logits, x[t + 1]))
     assert torch.allclose(got, torch.stack(want), atol=1e-5)
     if stride == 3:
-        assert ablation.scored_positions(29, 8, 3).tolist() == list(range(8)) + [8, 11, 14, 17, 20, 23, 26]
+        assert extrapolation.scored_positions(29, 8, 3).tolist() == list(range(8)) + [8, 11, 14, 17, 20, 23, 26]
 
 
 def test_sinks_zero_is_the_plain_rolling_cache():
     m = tiny()
     x = torch.randint(0, 61, (2, 33))
     with torch.no_grad():
-        plain = ablation.token_losses(m, x, cached=True)
-        sinks = ablation.token_losses(ablation.keep_sinks(tiny(), 0), x, cached=True)
+        plain = extrapolation.token_losses(m, x, cached=True)
+        sinks = extrapolation.token_losses(extrapolation.keep_sinks(tiny(), 0), x, cached=True)
     assert torch.allclose(plain, sinks, atol=1e-5)
 
 
@@ -60,11 +62,11 @@ def test_sinks_see_the_first_positions_and_the_recent_window():
     keys, so the prediction at position m must equal a plain forward over exactly the tokens
     0..k-1 followed by the last block_size-k tokens."""
     k, bs = 3, 8
-    m = ablation.keep_sinks(tiny(n_layer=1, pos_encoding="none"), k)
+    m = extrapolation.keep_sinks(tiny(n_layer=1, pos_encoding="none"), k)
     ref = tiny(n_layer=1, pos_encoding="none")
     x = torch.randint(0, 61, (1, 26))
     with torch.no_grad():
-        got = ablation.token_losses(m, x, cached=True)[0]
+        got = extrapolation.token_losses(m, x, cached=True)[0]
         for t in range(25):
             ctx = x[0, :t + 1] if t < bs else torch.cat((x[0, :k], x[0, t - (bs - k) + 1:t + 1]))
             want = F.cross_entropy(ref(ctx[None])[0][0, -1], x[0, t + 1])

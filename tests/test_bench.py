@@ -64,16 +64,13 @@ def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
     fraction times each group's base_lr, which build_optimizer sets (muon_lr for Muon's
     groups, the recipe's rate for the rest)."""
     import numpy as np
-    monkeypatch.setattr(sys, "argv", ["bench/train_speed.py", "--muon_lr=0.05"])
-    path = os.path.join(ROOT, "bench", "train_speed.py")
-    with open(path) as f:  # its definitions only: the script's modes run below them
-        source = f.read().split('\nif args["plain_run"]:')[0]
-    bench = {"__file__": path, "__name__": "bench_train"}
-    exec(compile(source, path, "exec"), bench)
-    run = bench["TargetRun"]("ours, Muon", 65)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import nanogpt_recipe as recipe  # --target's runs (train_speed.py passes them its options)
+    args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000}
+    run = recipe.TargetRun("ours, Muon", 65, args)
     run.train(np.random.default_rng(0).integers(0, 65, 1000).astype(np.int64), 3)
-    frac = bench["recipe_lr"](2, bench["args"]["target_iters"]) / bench["LR"]
+    frac = recipe.recipe_lr(2, args["target_iters"]) / recipe.LR
     rates = sorted({(g["base_lr"], g["lr"]) for g in run.opt.param_groups})
-    assert [b for b, _ in rates] == [bench["LR"], 0.05]
+    assert [b for b, _ in rates] == [recipe.LR, 0.05]
     for base, lr in rates:
         assert abs(lr - frac * base) < 1e-12

@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "bench", "compare.py"))
 compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare)
+import compare_report  # noqa: E402  (compare.py put bench/ on sys.path; so for stats)
+import stats  # noqa: E402
 
 
 def t_density(x, df):
@@ -40,14 +42,14 @@ def integral(f, a, b, n=20000):
 def test_t_distribution_matches_the_integrated_density(df):
     for t in (-7.0, -2.5, -0.3, 0.0, 0.8, 4.3):
         want = 0.5 + math.copysign(integral(lambda x: t_density(x, df), 0, abs(t)), t)
-        assert abs(compare.t_cdf(t, df) - want) < 1e-7, (t, df)
-    q = compare.t_quantile(0.975, df)
+        assert abs(stats.t_cdf(t, df) - want) < 1e-7, (t, df)
+    q = stats.t_quantile(0.975, df)
     assert abs(integral(lambda x: t_density(x, df), 0, q) - 0.475) < 1e-7
 
 
 def test_paired_test_is_the_t_test_of_the_differences():
     diffs = [0.031, 0.012, 0.024, -0.004]
-    r = compare.paired(diffs)
+    r = stats.paired(diffs)
     n, mean = len(diffs), sum(diffs) / len(diffs)
     se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)) / math.sqrt(n)
     tail = integral(lambda x: t_density(x, n - 1), 0, mean / se)
@@ -55,7 +57,7 @@ def test_paired_test_is_the_t_test_of_the_differences():
     half = r["ci95"][1] - mean
     assert abs(integral(lambda x: t_density(x, n - 1), 0, half / se) - 0.475) < 1e-7
     assert abs(mean - r["ci95"][0] - half) < 1e-12
-    assert compare.paired([0.1])["ci95"] is None  # one pair: no interval
+    assert stats.paired([0.1])["ci95"] is None  # one pair: no interval
 
 
 def scratch_repo(root):
@@ -324,11 +326,11 @@ def test_flags_and_variants_cannot_override_what_compare_sets(tmp_path):
 
 def test_identical_differences_are_no_interval_not_certainty():
     for diffs in ([-0.0145] * 2, [0.02] * 5):
-        r = compare.paired(diffs)
+        r = stats.paired(diffs)
         assert r["ci95"] is None and r["p"] is None and r["mean"] == diffs[0], r
-        assert "no interval" in compare.diff_cell(r)
+        assert "no interval" in compare_report.diff_cell(r)
     # no difference at all stays an exact zero (the same code, the same seeds)
-    assert compare.paired([0.0, 0.0])["ci95"] == [0.0, 0.0]
+    assert stats.paired([0.0, 0.0])["ci95"] == [0.0, 0.0]
 
 
 def test_out_naming_a_file_and_absurd_seeds_are_one_line(tmp_path):

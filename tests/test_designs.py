@@ -1,6 +1,7 @@
-"""bench/designs.py at toy size: two designs, one seed, a few iterations of a tiny model on a
-small corpus made here. The references: the design list and lengths asked for (every row
-exists), the fine-tune's tokens recomputed from its iterations, batch and window, and the
+"""bench/designs.py (and its report, bench/designs_report.py) at toy size: two designs, one
+seed, a few iterations of a tiny model on a small corpus made here. The references: the design
+list and lengths asked for (every row exists), the fine-tune's tokens recomputed from its
+iterations, batch and window, and the
 folders' files (a second invocation trains and evaluates nothing)."""
 import importlib.util
 import json
@@ -15,6 +16,7 @@ sys.path.insert(0, ROOT)
 _spec = importlib.util.spec_from_file_location("designs", os.path.join(ROOT, "bench", "designs.py"))
 designs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(designs)
+import designs_report  # noqa: E402  (designs.py put bench/ on sys.path)
 
 B, ITERS, BATCH, PK_BLOCK, SHARE = 16, 8, 2, 96, 0.5
 TINY = (f"--n_layer=2 --n_head=2 --n_embd=32 --batch_size={BATCH} --eval_iters=1 "
@@ -123,7 +125,7 @@ def test_within_noise_reads_compare_results(tmp_path):
         json.dump([{"arm": "base", "bpb_diff": None}, arm("base, other seeds", 0.001,
                    [-0.013, 0.011]), arm("window=64", 0.012, [0.0, 0.03]),
                    arm("nope_every=2", 0.014, [0.01, 0.02])], f)
-    got = designs.within_noise(args)
+    got = designs_report.within_noise(args.out, designs.compare_specs(args))
     assert got == {"a": (0.012, 0.013, True), "b": (0.014, 0.013, False)}
 
 
@@ -143,5 +145,5 @@ def test_a_target_is_met_on_two_seeds_not_one(tmp_path):
                     dict(model="passkey", stage="finetuned", design="r", length=32, seed=s,
                          keys=1, accuracy=1.0)]
         return out
-    assert designs.targets(args, rows([1337]))["r"]["met"][:2] == [False, False]
-    assert designs.targets(args, rows([1337, 1338]))["r"]["met"][:2] == [True, True]
+    assert designs_report.targets(args, rows([1337]), {})["r"]["met"][:2] == [False, False]
+    assert designs_report.targets(args, rows([1337, 1338]), {})["r"]["met"][:2] == [True, True]
