@@ -179,7 +179,7 @@ def evaluate():
     losses = {}
     eval_model.eval()
     batches = bars.bar(total=2 * eval_iters, desc=f"evaluating iteration {iter_num}",
-                       unit="batch", shown=master, out=sys.stdout, leave=False, delay=1.0)
+                       unit="batches", shown=master, out=sys.stdout, leave=False, delay=1.0)
     for i, split in enumerate(("train", "val")):
         rng = np.random.default_rng([seed, 7919, i])
         split_losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split

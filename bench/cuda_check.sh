@@ -2,8 +2,8 @@
 # The CUDA paths, on a machine with a GPU (CI has none; the test suite hides CUDA and checks the
 # CPU paths): the README's default run eager and compiled, torchrun over NCCL (DDP, FSDP2 and
 # its resume) at one rank per GPU of the machine, sample.py with the cache (eager, and the
-# compiled static step), eval.py and export.py on a CUDA-trained run, and the tests that need
-# a GPU. One line a step (ok, or FAILED with its log); every log under $LOGS. What its steps
+# compiled static step), eval.py and export.py on a CUDA-trained run, the tests that need
+# a GPU, and bench/gpu_speed.py's table (config/gpt2_124m.py's tokens/s, MFU and decoding). One line a step (ok, or FAILED with its log); every log under $LOGS. What its steps
 # printed on an H200 is in docs/SPEED.md ("On a GPU").
 #
 #     bash bench/cuda_check.sh                  # minutes on one GPU (not yet timed as one command)
@@ -46,4 +46,6 @@ step sample_fsdp 120 $PY sample.py --out_dir="$RUNS/fsdp" --max_new_tokens=50
 step eval 300 $PY eval.py --out_dir="$RUNS/default" --split=val --lengths=128,256,512,1024
 step export 300 $PY export.py --out_dir="$RUNS/default" --hf_dir="$RUNS/hf"
 step gpu_tests 300 env ROFORMER_TEST_CUDA=1 $PY -m pytest -q -rs tests/test_train.py -k pin
+# the speed at the size users train: config/gpt2_124m.py's training and decoding, one table
+step gpu_speed 420 $PY bench/gpu_speed.py && cat "$LOGS/gpu_speed.log"
 exit $failed

@@ -1,9 +1,12 @@
 """bench/train_speed.py --target (time to nanoGPT's final loss): a tiny run, its table checked
-against the per-chunk log it prints, and reproducible from its seed."""
+against the per-chunk log it prints, and reproducible from its seed; bench/gpu_speed.py's table
+and the MFU formula, checked on the CPU."""
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,3 +77,63 @@ def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
     assert [b for b, _ in rates] == [recipe.LR, 0.05]
     for base, lr in rates:
         assert abs(lr - frac * base) < 1e-12
+
+
+def load_gpu_speed(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import gpu_speed
+    return gpu_speed
+
+
+def test_gpu_speed_table_is_its_own_arithmetic(monkeypatch, capsys):
+    """bench/gpu_speed.py (run on a GPU by cuda_check.sh) on the CPU with a tiny model: every
+    figure of its table follows from what it timed. Reference: the definitions, tokens over
+    seconds, MFU = FLOPs per token x tokens/s / peak, decode tokens/s = batch x new tokens
+    over the call's seconds; and transformers' greedy decode on the same weights draws our
+    tokens (the two columns time the same model)."""
+    import json
+    gpu_speed = load_gpu_speed(monkeypatch)
+    gpu_speed.main(["--device=cpu", "--tiny", "--no-compile", "--steps=3", "--warmup=1",
+                    "--new_tokens=6", "--batches=1,3", "--peak=2e12", "--json"])
+    out = capsys.readouterr().out.splitlines()
+    fig = json.loads(out[-1])
+    train, decode = fig["train"], fig["decode"]
+    assert train["tokens"] == 3 * train["batch"] * train["block"]
+    assert abs(train["tokens_per_s"] - train["tokens"] / train["seconds"]) < 1e-6
+    assert abs(train["step_ms"] - 1e3 * train["seconds"] / 3) < 1e-9
+    want = train["flops_per_token"] * train["tokens_per_s"] / 2e12
+    assert abs(train["mfu"] - want) < 1e-12
+    rows = dict([cell.strip() for cell in line.strip("|").split("|")] for line in out
+                if line.startswith("| ") and "measure" not in line)
+    assert rows["train tokens/s"] == f"{train['tokens_per_s']:,.0f}"
+    assert rows["MFU"] == f"{100 * want:.1f}% of 2 TFLOP/s"
+    assert [r["batch"] for r in decode] == [1, 3]
+    for r in decode:
+        assert abs(r["tokens_per_s"] - r["batch"] * 6 / r["seconds"]) < 1e-6
+        assert abs(r["hf_tokens_per_s"] - r["batch"] * 6 / r["hf_seconds"]) < 1e-6
+        assert r["hf_same_tokens"] == 1.0
+        cell = rows[f"decode batch {r['batch']} tokens/s: ours, transformers"]
+        assert cell.startswith(f"{r['tokens_per_s']:,.1f}, {r['hf_tokens_per_s']:,.1f} (ours "
+                               f"{r['tokens_per_s'] / r['hf_tokens_per_s']:.2f}x")
+
+
+@pytest.mark.parametrize("shape", [dict(n_layer=2, n_head=4, n_embd=128, block_size=128),
+                                   dict(n_layer=3, n_head=2, n_embd=64, block_size=256)])
+def test_mfu_counts_the_flops_torch_counts(shape):
+    """harness/mfu.flops_per_token (train.py's MFU and gpu_speed's) against a count of every
+    matrix product one training step runs: torch's FlopCounterMode over a forward and
+    backward, attention by its math kernel so that its products are counted too."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    sys.path.insert(0, ROOT)
+    from harness.mfu import flops_per_token
+    from model import RoFormer, RoFormerConfig
+    cfg = RoFormerConfig(vocab_size=512, **shape)
+    model, B, T = RoFormer(cfg, seed=0), 2, shape["block_size"]
+    x, y = torch.randint(0, 512, (2, B, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counted:
+        model(x, y)[1].backward()
+    ours = flops_per_token(cfg, model.num_params(), T) * B * T
+    # ours also counts the norms' and biases' parameters, which run no matrix product
+    assert abs(ours / counted.get_total_flops() - 1) < 0.005, (ours, counted.get_total_flops())
