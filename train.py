@@ -162,10 +162,10 @@ def save_checkpoint():
     call it (an FSDP save is a collective)."""
     save = parallel.save_sharded if fsdp else functools.partial(checkpoint.save, rank=rank)
     save(ckpt_path, {
-        "scaler": scaler.state_dict() or None,  # {} when disabled
+        "scaler": scaler.state_dict() or None, "run_id": run_id,  # scaler: {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
-        "run_id": run_id, "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf),
-        "config": config, "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
+        "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf), "config": config,
+        "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
 @torch.no_grad()
@@ -216,7 +216,7 @@ progress = Progress(start_iter, max_iters, tokens_per_iter,
                     world, master, compiled=compile)
 if master:
     start.first_lines(config, proc, job, raw_model.num_params(), tokens_per_iter, peak,
-                      resumed, start_iter)
+                      start_iter)
 stop, stopping = run.stop_on_signals(), False
 
 # ----------------------------------------------------------------------------------------

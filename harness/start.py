@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import torch
 
 import optim
-from harness.dataset import check_split_sizes, open_dataset
 from harness import mfu, run
 from harness.common import UserError
 from harness.config import check_seed
+from harness.dataset import check_split_sizes, open_dataset
 from harness.device import native_bf16, pick_device, pick_threads, placed
 from model import RoFormerConfig
 
@@ -52,6 +52,7 @@ def check(c, model_keys):
 
 
 def model_config(args):
+    """RoFormerConfig(**args), its refusal (model_checks.py) as one line."""
     try:
         return RoFormerConfig(**args)
     except ValueError as e:
@@ -60,7 +61,8 @@ def model_config(args):
 
 def place(c):
     """The processes (torchrun sets RANK/WORLD_SIZE; otherwise one), this one's device and
-    dtype, its autocast, whether it multiplies bf16 natively, and its CPU threads. Sets c's device, dtype and compile to what runs."""
+    dtype, its autocast, whether it multiplies bf16 natively, and its CPU threads. Sets c's
+    device, dtype and compile to what runs."""
     ddp = int(os.environ.get("RANK", -1)) != -1
     if c["fsdp"] and not ddp:
         raise UserError("fsdp=True shards the model over processes: run under torchrun "
@@ -144,7 +146,7 @@ def open_run(c, given, model_keys, loop_keys, p):
         raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
                         f"{meta['vocab_size']}")
     mconf = model_config(model_args)
-    c.update(dataclasses.asdict(mconf))  # the checkpoint records the model that ran, not the command line
+    c.update(dataclasses.asdict(mconf))  # the checkpoint records the model that ran
     run.check_fits(run.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
@@ -169,12 +171,12 @@ def load_checkpoint(job, raw_model, optimizer, scaler, tokens_per_iter, master):
     return 0, float("inf"), 0, None
 
 
-def first_lines(c, p, job, n_params, tokens_per_iter, peak, resumed, start_iter):
+def first_lines(c, p, job, n_params, tokens_per_iter, peak, start_iter):
     """Rank 0, before the first step: log.jsonl (new, or cut back to the checkpoint), the run's
     copy of its tokenizer (sample, eval and export then need no dataset folder), and what
     decides the run's speed and quality, first."""
     log_path = os.path.join(c["out_dir"], "log.jsonl")
-    if resumed:
+    if job.resumed:
         from harness.resume import repair_log
         repair_log(log_path, start_iter)
     else:
