@@ -45,8 +45,7 @@ sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`,
 out_dir = "out"
 dataset = "pystdlib"         # data/<dataset>/: train.bin, val.bin, meta.json, tokenizer.model
 data_dir = ""                # "" means data/<dataset> next to this script
-init_from = "scratch"        # "scratch" | "resume" (from out_dir/ckpt.pt) | RUN: a new run
-                             # from RUN's weights (a run folder or a ckpt.pt): a fine-tune
+init_from = "scratch"        # "scratch" | "resume" (out_dir/ckpt.pt) | RUN: fine-tune RUN's weights
 eval_interval = 250          # evaluate, log and checkpoint every this many iterations
 eval_iters = 20              # batches per split per evaluation
 log_interval = 10            # progress: bar postfix, or one plain line when not on a terminal
@@ -57,14 +56,14 @@ wandb_run_name = "run"
 # data
 batch_size = 16              # sequences per micro-step per process
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL processes
-# model: every field of RoFormerConfig is a key too, at its default (model.py says what each
-# one does), except:
+# model: every field of RoFormerConfig is a key too, at its default (model.py), except:
 vocab_size = 0               # 0: take it from the dataset's meta.json
 # optimizer: AdamW, or Muon (optim.py) for the hidden matrices with AdamW for the rest
 optimizer = "adamw"          # "adamw" | "muon"
 muon_lr = 0.02
 muon_momentum = 0.95
-learning_rate = 6e-4         # linear warmup, then cosine decay to min_lr at lr_decay_iters
+learning_rate = 6e-4         # linear warmup, then down to min_lr at lr_decay_iters, by:
+cooldown = 0.0               # 0: cosine; f in (0, 1]: the peak, then linear over the last f
 max_iters = 5000
 weight_decay = 0.1
 beta1 = 0.9
@@ -144,8 +143,8 @@ resumed, start_iter = job.resumed, iter_num
 
 def lr_factor(it):
     """The schedule as a fraction of a group's base rate (learning_rate for AdamW, muon_lr for
-    Muon): linear warmup, cosine from 1 to min_lr / learning_rate at lr_decay_iters, then flat.
-    A fraction, so that learning_rate=0 (AdamW's part frozen, a probe) leaves Muon's defined."""
+    Muon): linear warmup, then cosine (or cooldown's trapezoid) to min_lr / learning_rate at
+    lr_decay_iters, then flat; a fraction, so learning_rate=0 (a probe) leaves Muon's defined."""
     if not decay_lr:
         return 1.0
     if it < warmup_iters:
@@ -154,6 +153,8 @@ def lr_factor(it):
     if it >= lr_decay_iters:
         return floor
     ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    if cooldown:  # flat at the peak, then linear to the floor over the last `cooldown` of it
+        return floor + min(1.0, (1.0 - ratio) / cooldown) * (1.0 - floor)
     return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (1.0 - floor)
 
 
@@ -272,9 +273,8 @@ while iter_num < max_iters:
             progress.write(f"signal received: stopping at iteration {iter_num}")
         break
 
-# The final state is always saved and evaluated once. After a signal, save first: torchrun kills
-# 30 s after SIGTERM (SLURM and Kubernetes grace periods are similar), and an evaluation alone
-# can take longer than that.
+# The final state is always saved and evaluated once; after a signal, save first: torchrun kills
+# 30 s after SIGTERM (SLURM and Kubernetes alike), and an evaluation can take longer.
 if stopping:
     save_checkpoint()
     if master:

@@ -866,6 +866,7 @@ def trained(data, tmp_path_factory):
     (["--optimizer=muon", "--muon_momentum=1.0"], "muon_momentum must be in [0, 1)"),
     (["--optimizer=muon", "--muon_momentum=-0.5"], "muon_momentum must be in [0, 1)"),
     (["--beta2=1.0"], "beta2 must be in [0, 1)"),
+    (["--cooldown=1.5"], "cooldown must be in [0, 1] (0: cosine)"),
     (["--seed=-1"], "seed must be from 0 to 2**64 - 1"),
     ([f"--seed={2 ** 64}"], "seed must be from 0 to 2**64 - 1"),
     (["--device=meta"], "device='meta' is not supported"),
@@ -1409,3 +1410,29 @@ def test_the_hint_for_a_missing_data_dir_does_not_name_the_default_dataset(tmp_p
                                 check=False))
     assert "pystdlib" not in line
     assert f"python data/text/prepare.py --input PATH --out_dir {d}" in line
+
+
+@pytest.mark.parametrize("cooldown", [0.0, 0.5])
+def test_the_logged_rates_are_the_schedule_written_out(data, tmp_path, cooldown):
+    """The rate at every logged iteration against the schedule written out by hand: warmup
+    (it + 1) / (W + 1) of the peak, then cosine to min_lr at lr_decay_iters (cooldown=0, the
+    default), or the peak held until the last `cooldown` share of the decay and a straight
+    line to min_lr from there (the trapezoid docs/LOG.md compared), then min_lr."""
+    import math
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=44",
+          "--eval_interval=2", f"--cooldown={cooldown}")
+    peak, floor, warm, end = 3e-3, 3e-4, 2, 40  # TINY's
+    for record in log(out):
+        it = record["iter"]
+        if it < warm:
+            want = peak * (it + 1) / (warm + 1)
+        elif it >= end:
+            want = floor
+        elif cooldown == 0:
+            want = floor + (peak - floor) * (1 + math.cos(math.pi * (it - warm) / (end - warm))) / 2
+        else:
+            start = end - cooldown * (end - warm)  # where the line down begins
+            want = peak if it <= start else floor + (peak - floor) * (end - it) / (end - start)
+        assert record["lr"] == pytest.approx(want, rel=1e-9, abs=1e-15), it
+
