@@ -137,7 +137,7 @@ scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "float16")
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 # resume: weights, optimizer, scaler, RNGs and where the run stands; init_from=RUN: RUN's weights
 iter_num, best_val_loss, tokens_seen, wandb_id = start.load_checkpoint(
-    job, raw_model, opt, scaler, tokens_per_iter, master)
+    job, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
 resumed, start_iter = job.resumed, iter_num
 
 
@@ -216,8 +216,8 @@ progress = Progress(start_iter, max_iters, tokens_per_iter,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
                     world, master, compiled=compile)
 if master:
-    start.first_lines(config, proc, job, raw_model.num_params(), tokens_per_iter, peak,
-                      start_iter)
+    start.first_lines(config, proc, job, log_path, raw_model.num_params(), tokens_per_iter,
+                      peak, start_iter)
 stop, stopping = run.stop_on_signals(), False
 
 # ----------------------------------------------------------------------------------------

@@ -45,17 +45,16 @@ def check(c, model_keys):
     if c["warmup_iters"] > c["lr_decay_iters"]:
         raise UserError(f"warmup_iters ({c['warmup_iters']}) must not exceed lr_decay_iters "
                         f"({c['lr_decay_iters']})")
-    try:
-        optim.check(c["optimizer"], c["fsdp"])
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    model_config({**{k: c[k] for k in model_keys}, "vocab_size": c["vocab_size"] or 1})
+    one_line(optim.check, c["optimizer"], c["fsdp"])
+    as_given = {k: c[k] for k in model_keys}
+    one_line(RoFormerConfig, **dict(as_given, vocab_size=c["vocab_size"] or 1))
 
 
-def model_config(args):
-    """RoFormerConfig(**args), its refusal (model_checks.py) as one line."""
+def one_line(fn, *args, **kwargs):
+    """fn(*args, **kwargs), the core's refusal (a ValueError: optim.py, model_checks.py) as
+    the one line a user sees."""
     try:
-        return RoFormerConfig(**args)
+        return fn(*args, **kwargs)
     except ValueError as e:
         raise UserError(str(e)) from None
 
@@ -78,10 +77,7 @@ def place(c):
     dev, dtype = pick_device(c["device"], c["dtype"], training=True)
     if c["fsdp"] and dtype == "float16":
         raise UserError("fsdp=True supports dtype float32 and bfloat16, not float16")
-    try:
-        dtype = optim.training_dtype(c["optimizer"], dtype, c["dtype"])
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    dtype = one_line(optim.training_dtype, c["optimizer"], dtype, c["dtype"])
     # one GPU per process, named (cuda:LOCAL_RANK under torchrun, else a bare cuda is cuda:0)
     dev = parallel.init_process_group(dev, rank, local_rank, world) if ddp else placed(dev)
     if dev.type == "cuda":
@@ -146,18 +142,17 @@ def open_run(c, given, model_keys, loop_keys, p):
     if model_args["vocab_size"] < meta["vocab_size"]:
         raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
                         f"{meta['vocab_size']}")
-    mconf = model_config(model_args)
+    mconf = one_line(RoFormerConfig, **model_args)
     c.update(dataclasses.asdict(mconf))  # the checkpoint records the model that ran
     run.check_fits(run.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
     return SimpleNamespace(ddir=ddir, meta=meta, tokenizer=tokenizer, run_id=run_id, ckpt=ckpt,
                            source=source, source_path=c["init_from"], mconf=mconf,
-                           resumed=ckpt is not None,
-                           ckpt_path=os.path.join(c["out_dir"], "ckpt.pt"))
+                           resumed=ckpt is not None)
 
 
-def load_checkpoint(job, raw_model, optimizer, scaler, tokens_per_iter, master):
+def load_checkpoint(job, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
     """(iteration, best val loss, tokens seen, wandb id) where the run starts: a resumed run's
     (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's weights only
     (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's checkpoint."""
@@ -166,17 +161,16 @@ def load_checkpoint(job, raw_model, optimizer, scaler, tokens_per_iter, master):
         return 0, float("inf"), 0, None
     from harness import resume  # only when starting from a checkpoint
     if ckpt is not None:
-        return resume.restore(ckpt, job.ckpt_path, raw_model, optimizer, scaler,
-                              tokens_per_iter, master)
+        return resume.restore(ckpt, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter,
+                              master)
     resume.load_weights(raw_model, source["model"], job.source_path)
     return 0, float("inf"), 0, None
 
 
-def first_lines(c, p, job, n_params, tokens_per_iter, peak, start_iter):
+def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter):
     """Rank 0, before the first step: log.jsonl (new, or cut back to the checkpoint), the run's
     copy of its tokenizer (sample, eval and export then need no dataset folder), and what
     decides the run's speed and quality, first."""
-    log_path = os.path.join(c["out_dir"], "log.jsonl")
     if job.resumed:
         from harness.resume import repair_log
         repair_log(log_path, start_iter)
