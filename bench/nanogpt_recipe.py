@@ -133,12 +133,18 @@ def char_text(args):
     return "".join(parts)[:args["text_chars"]]
 
 
-def recipe_lr(it, n):
-    """nanoGPT's schedule at its shakespeare_char settings: warmup 100, cosine to lr/10 at n."""
-    if it < 100:
-        return LR * (it + 1) / 101
-    ratio = min(1.0, (it - 100) / (n - 100))
-    return LR / 10 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (LR - LR / 10)
+def recipe_lr(it, n, warmup=100, cooldown=0.0):
+    """The rate at iteration it of an n-iteration schedule: nanoGPT's at its shakespeare_char
+    settings by default (warmup 100, cosine to lr/10 at n); cooldown=F is train.py's
+    --cooldown (flat at the peak, then linear to lr/10 over the last F of the decay)."""
+    if it < warmup:
+        return LR * (it + 1) / (warmup + 1)
+    ratio = min(1.0, (it - warmup) / max(1, n - warmup))
+    if cooldown:
+        frac = min(1.0, (1.0 - ratio) / cooldown)
+    else:
+        frac = 0.5 * (1.0 + math.cos(math.pi * ratio))
+    return LR / 10 + frac * (LR - LR / 10)
 
 
 class TargetRun:
@@ -155,13 +161,18 @@ class TargetRun:
                                        name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
                                        bf16=native_bf16("cpu"))  # as train.py builds it
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
-        self.total_iters = args["target_iters"]  # the schedule's length
+        # the schedule: nanoGPT's recipe, or for ours its own (--ours_iters, _warmup, _cooldown)
+        self.total_iters, self.warmup, self.cooldown = args["target_iters"], 100, 0.0
+        if kind != "nanoGPT, AdamW" and args.get("ours_iters"):
+            self.total_iters = args["ours_iters"]
+            self.warmup, self.cooldown = args["ours_warmup"], args["ours_cooldown"]
         self.it, self.seconds, self.curve = 0, 0.0, []  # curve: (iteration, seconds, val loss)
 
     def train(self, data, n):
         t0 = time.perf_counter()
         for _ in range(n):
-            frac = recipe_lr(self.it, self.total_iters) / LR  # of each group's peak rate
+            # the fraction of each group's peak rate
+            frac = recipe_lr(self.it, self.total_iters, self.warmup, self.cooldown) / LR
             for g in self.opt.param_groups:
                 g["lr"] = frac * g.get("base_lr", LR)
             start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
@@ -183,6 +194,16 @@ class TargetRun:
         self.curve.append((self.it, self.seconds, loss))
 
 
+def ours_schedule(args):
+    """Ours' schedule in words, for the table's heading."""
+    if not args.get("ours_iters"):
+        return "ours on nanoGPT's schedule"
+    decay = (f"flat, then linear over the last {args['ours_cooldown']:g} of the decay"
+             if args["ours_cooldown"] else "cosine")
+    return (f"ours on its own schedule: {args['ours_iters']} iterations, warmup "
+            f"{args['ours_warmup']}, {decay} to lr/10")
+
+
 def target(threads, args):
     torch.set_num_threads(threads)
     text = char_text(args)
@@ -201,8 +222,9 @@ def target(threads, args):
     n, every = args["target_iters"], args["target_eval"]
     for c in range(0, n, every):
         for r in runs[c // every % 3:] + runs[:c // every % 3]:  # rotate who goes first
-            r.train(train_ids, min(every, n - c))
-            r.score(batches)
+            if r.it < r.total_iters:  # ours may run a shorter schedule of its own
+                r.train(train_ids, min(every, n - c, r.total_iters - r.it))
+                r.score(batches)
         print(f"iter {runs[0].it}: " + ", ".join(f"{r.curve[-1][2]:.4f} ({r.seconds:.2f} s)"
                                                  for r in runs), file=sys.stderr, flush=True)
     base = runs[0]
@@ -210,8 +232,9 @@ def target(threads, args):
     shape = {k: v for k, v in RECIPE.items() if k != "vocab_size"}
     print(f"\n{args['text']}: {len(text):,} characters, vocab {len(chars)}, held out the last "
           f"10%; nanoGPT's CPU recipe {shape}, {n} iterations, float32, eager, {threads} "
-          f"thread(s), seed {args['seed']}, muon_lr {args['muon_lr']}; held-out loss (nats/char) "
-          f"over {args['target_batches']} batches every {every} iterations; time = training only")
+          f"thread(s), seed {args['seed']}, muon_lr {args['muon_lr']}; {ours_schedule(args)}; "
+          f"held-out loss (nats/char) over {args['target_batches']} batches every {every} iterations; time = "
+          "training only")
     # The machine is shared and its load drifts, but each chunk of every run ran side by side:
     # so the time to the target is compared with nanoGPT's time over the same iterations, and
     # scaled by that iteration's share of nanoGPT's run (its steps all cost the same work).
