@@ -17,7 +17,11 @@ nanoGPT's final held-out loss; the table gives the first scored iteration at whi
 reaches it, the training time (scoring excluded) taken to get there, nanoGPT's time over the
 same iterations, and the time to the target as a fraction of nanoGPT's whole run: (ours /
 nanoGPT's, same iterations, same load) x iteration / --target_iters, so a load that drifts
-during the run does not bias it.
+during the run does not bias it. --ours_iters=N (default 0: nanoGPT's schedule) gives our two
+runs a schedule of their own, as the recipe allows: N iterations, warmup --ours_warmup, then
+cosine, or with --ours_cooldown=F train.py's trapezoid (the peak held, then linear to lr/10
+over the last F of the decay), and --ours_lr its AdamW rate (default the recipe's; with Muon,
+the rate of the embeddings, head and norms); nanoGPT's run keeps its recipe, and sets the target.
 """
 import math
 import os
@@ -157,7 +161,8 @@ class TargetRun:
             self.opt = plain_optimizer(self.model)
         else:
             self.model = recipe_model("rope", vocab_size)
-            self.opt = build_optimizer(self.model, LR, WEIGHT_DECAY, BETAS, "cpu",
+            rate = args.get("ours_lr") or LR  # AdamW's part: all of it, or Muon's non-matrices
+            self.opt = build_optimizer(self.model, rate, WEIGHT_DECAY, BETAS, "cpu",
                                        name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
                                        bf16=native_bf16("cpu"))  # as train.py builds it
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
@@ -195,12 +200,13 @@ class TargetRun:
 
 
 def ours_schedule(args):
-    """Ours' schedule in words, for the table's heading."""
+    """Ours' recipe in words, for the table's heading."""
+    rate = f"AdamW's rate {args.get('ours_lr') or LR:g}"
     if not args.get("ours_iters"):
-        return "ours on nanoGPT's schedule"
+        return f"ours on nanoGPT's schedule, {rate}"
     decay = (f"flat, then linear over the last {args['ours_cooldown']:g} of the decay"
              if args["ours_cooldown"] else "cosine")
-    return (f"ours on its own schedule: {args['ours_iters']} iterations, warmup "
+    return (f"ours on its own schedule: {args['ours_iters']} iterations, {rate}, warmup "
             f"{args['ours_warmup']}, {decay} to lr/10")
 
 
@@ -233,8 +239,8 @@ def target(threads, args):
     print(f"\n{args['text']}: {len(text):,} characters, vocab {len(chars)}, held out the last "
           f"10%; nanoGPT's CPU recipe {shape}, {n} iterations, float32, eager, {threads} "
           f"thread(s), seed {args['seed']}, muon_lr {args['muon_lr']}; {ours_schedule(args)}; "
-          f"held-out loss (nats/char) over {args['target_batches']} batches every {every} iterations; time = "
-          "training only")
+          f"held-out loss (nats/char) over {args['target_batches']} batches every {every} "
+          "iterations; time = training only")
     # The machine is shared and its load drifts, but each chunk of every run ran side by side:
     # so the time to the target is compared with nanoGPT's time over the same iterations, and
     # scaled by that iteration's share of nanoGPT's run (its steps all cost the same work).

@@ -80,15 +80,15 @@ def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
 
 
 def test_ours_own_schedule_is_the_trapezoid_written_out(monkeypatch):
-    """--ours_iters/--ours_warmup/--ours_cooldown give ours a schedule of its own while nanoGPT
-    keeps its recipe. Reference: the rates of a 10-iteration run (warmup 2, cooldown 0.5)
-    worked out by hand: (it + 1) / 3 during warmup, the peak while the decay is in its first
+    """--ours_iters/--ours_warmup/--ours_cooldown/--ours_lr give ours a schedule and an AdamW
+    rate of their own while nanoGPT keeps its recipe (1e-3). Reference: the rates of a
+    10-iteration run (warmup 2, cooldown 0.5) as fractions of the peak, worked out by hand: (it + 1) / 3 during warmup, the peak while the decay is in its first
     half, then linear from the peak to lr/10 (0.775, 0.55, 0.325 of the peak)."""
     import numpy as np
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import nanogpt_recipe as recipe
     args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_iters": 10,
-            "ours_warmup": 2, "ours_cooldown": 0.5}
+            "ours_warmup": 2, "ours_cooldown": 0.5, "ours_lr": 3e-3}
     ours = recipe.TargetRun("ours, AdamW", 65, args)
     base = recipe.TargetRun("nanoGPT, AdamW", 65, args)
     data = np.random.default_rng(0).integers(0, 65, 1000).astype(np.int64)
@@ -96,7 +96,7 @@ def test_ours_own_schedule_is_the_trapezoid_written_out(monkeypatch):
     for _ in range(10):
         for name, run in (("ours", ours), ("base", base)):
             run.train(data, 1)
-            seen[name].append(run.opt.param_groups[0]["lr"] / recipe.LR)
+            seen[name].append(run.opt.param_groups[0]["lr"] / (3e-3 if name == "ours" else 1e-3))
     want = [1 / 3, 2 / 3, 1, 1, 1, 1, 1, 0.775, 0.55, 0.325]
     assert max(abs(a - b) for a, b in zip(seen["ours"], want)) < 1e-12
     assert max(abs(a - (it + 1) / 101) for it, a in enumerate(seen["base"])) < 1e-12
