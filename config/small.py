@@ -25,6 +25,9 @@ max_iters = 300        # 1.23M tokens
 lr_decay_iters = 300
 warmup_iters = 30
 min_lr = 2e-4
+# the peak held, then a straight line to min_lr over the last half: it beat cosine at this
+# budget on every seed (docs/LOG.md, 2026-11-28); --cooldown=0 for cosine
+cooldown = 0.5
 weight_decay = 0.1
 
 # dtype and device are left to train.py's auto choice (bf16 autocast on CPUs with native
