@@ -11,10 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def target_run(text):
+def target_run(text, *extra):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "train_speed.py"), "--target=True",
            f"--text={text}", "--target_iters=8", "--target_eval=2", "--target_batches=2",
-           "--threads=1"]
+           "--threads=1", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -53,10 +53,27 @@ def test_time_to_target_table_matches_its_log(tmp_path):
     assert re.sub(r"\(.*? s\)", "", again) == re.sub(r"\(.*? s\)", "", err)
 
 
+def test_ours_stop_at_the_end_of_their_own_schedule(tmp_path):
+    """With --ours_iters=4 of nanoGPT's 8, our two runs train 4 iterations and then stand still
+    (their loss and seconds unchanged in every later chunk of the log) while nanoGPT trains on;
+    the table's total for ours is their time at iteration 4. Reference: the per-chunk log."""
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox, {i * i % 97}.\n" for i in range(400)))
+    out, err = target_run(text, "--ours_iters=4", "--ours_warmup=1", "--ours_cooldown=0.5")
+    log = [[(float(a), float(b)) for a, b in re.findall(r"([\d.]+) \(([\d.]+) s\)", line)]
+           for line in err.splitlines() if line.startswith("iter ")]
+    assert len(log) == 4 and "ours on its own schedule: 4 iterations" in out
+    for k in (1, 2):  # ours, Muon and ours, AdamW
+        assert log[1][k] == log[2][k] == log[3][k] and log[0][k] != log[1][k]
+        row = [r for r in out.splitlines() if r.startswith("| ours")][k - 1].split("|")
+        assert abs(float(row[-2]) - log[1][k][1]) <= 0.06
+    assert log[3][0][1] > log[2][0][1] > log[1][0][1]  # nanoGPT trains on
+
+
 def test_missing_text_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"), "--target=True",
-                        f"--text={tmp_path / 'nope.txt'}"], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+                        "--target=True", f"--text={tmp_path / 'nope.txt'}"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
     assert "--text=PATH" in r.stderr
 
@@ -82,8 +99,9 @@ def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
 def test_ours_own_schedule_is_the_trapezoid_written_out(monkeypatch):
     """--ours_iters/--ours_warmup/--ours_cooldown/--ours_lr give ours a schedule and an AdamW
     rate of their own while nanoGPT keeps its recipe (1e-3). Reference: the rates of a
-    10-iteration run (warmup 2, cooldown 0.5) as fractions of the peak, worked out by hand: (it + 1) / 3 during warmup, the peak while the decay is in its first
-    half, then linear from the peak to lr/10 (0.775, 0.55, 0.325 of the peak)."""
+    10-iteration run (warmup 2, cooldown 0.5) as fractions of the peak, worked out by hand:
+    (it + 1) / 3 during warmup, the peak while the decay is in its first half, then linear
+    from the peak to lr/10 (0.775, 0.55, 0.325 of the peak)."""
     import numpy as np
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import nanogpt_recipe as recipe
