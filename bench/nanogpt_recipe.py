@@ -38,7 +38,7 @@ from optim import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, vocab_size=65)
-LR, WEIGHT_DECAY, BETAS = 1e-3, 0.1, (0.9, 0.99)
+LR, WEIGHT_DECAY, BETAS, WARMUP = 1e-3, 0.1, (0.9, 0.99), 100
 
 
 def recipe_model(pos, vocab_size=RECIPE["vocab_size"]):
@@ -137,7 +137,7 @@ def char_text(args):
     return "".join(parts)[:args["text_chars"]]
 
 
-def recipe_lr(it, n, warmup=100, cooldown=0.0):
+def recipe_lr(it, n, warmup=WARMUP, cooldown=0.0):
     """The rate at iteration it of an n-iteration schedule: nanoGPT's at its shakespeare_char
     settings by default (warmup 100, cosine to lr/10 at n); cooldown=F is train.py's
     --cooldown (flat at the peak, then linear to lr/10 over the last F of the decay)."""
@@ -167,7 +167,7 @@ class TargetRun:
                                        bf16=native_bf16("cpu"))  # as train.py builds it
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
         # the schedule: nanoGPT's recipe, or for ours its own (--ours_iters, _warmup, _cooldown)
-        self.total_iters, self.warmup, self.cooldown = args["target_iters"], 100, 0.0
+        self.total_iters, self.warmup, self.cooldown = args["target_iters"], WARMUP, 0.0
         if kind != "nanoGPT, AdamW" and args.get("ours_iters"):
             self.total_iters = args["ours_iters"]
             self.warmup, self.cooldown = args["ours_warmup"], args["ours_cooldown"]
