@@ -61,6 +61,7 @@ MAPPED_FIELDS = {
     # NoPE or window and no length temperature (global_every and local_rope_base need a window)
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
     "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
+    "rope_pairs": ("adjacent", "half"),  # adjacent pairs: q and k rows reordered (formats/hf.py)
 }
 NOT_MAPPED = {  # why a value is refused, for the refusal
     "nope_every": "GPT-NeoX rotates positions in every layer",

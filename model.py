@@ -30,6 +30,7 @@ class RoFormerConfig:
     dropout: float = 0.0
     bias: bool = False            # biases in Linear and LayerNorm
     rope_base: float = 10000.0
+    rope_pairs: str = "adjacent"  # RoPE pairs 2i, 2i + 1 (the paper's); "half": i, i + d/2
     attention: str = "softmax"    # "softmax" | "linear"
     feature_map: str = "elu"      # linear attention only: "elu" (elu+1) | "relu"
     pos_encoding: str = "rope"    # or a baseline: learned, sinusoidal, none, shaw, t5, alibi
@@ -62,23 +63,18 @@ class RoFormerConfig:
     def rotary_dim(self):  # the channels of each head that RoPE rotates (checked: even)
         return int(self.n_embd // self.n_head * self.rotary_fraction)
 
-    @property
-    def max_positions(self):  # the longest input the model can run; None: no end
-        return self.block_size if self.pos_encoding == "learned" else None
-
     def positions_error(self, n):  # the one line saying why n positions cannot run, else None
-        if self.max_positions is not None and n > self.max_positions:
-            return (f"learned positions end at block_size={self.block_size}: position {n - 1} "
-                    f"cannot run")
+        if self.pos_encoding == "learned" and n > self.block_size:  # the end of wpe's rows
+            return f"learned positions end at block_size={self.block_size}: position {n - 1} " \
+                "cannot run"
 
     def __post_init__(self):
         check_config(self)  # model_checks.py: every rule, one line per mistake
 
 
 def init_generator(seed, name, device="cpu"):
-    """Parameter `name`'s own stream: seeded by (seed, name) alone, so two configurations drawn
-    from one seed start every parameter they share equal, whatever else either one holds.
-    sha256, not hash(): Python salts str hashes per process."""
+    """Parameter `name`'s own stream, seeded by (seed, name) alone (sha256: Python salts hash()):
+    two configurations drawn from one seed start every parameter they share equal."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
@@ -96,7 +92,7 @@ def init_parameter(name, p, n_layer, seed):
         p.normal_(0.0, std, generator=init_generator(seed, name, p.device))
 
 
-# 2. RoPE: channel i of a head pairs with channel i + d/2 and turns by m theta_i (docs/MODEL.md)
+# 2. RoPE: pair i of a head (channels 2i, 2i + 1, or i, i + d/2) turns by m theta_i (docs/MODEL.md)
 def ntk_base(base, factor, head_dim):  # NTK-aware (also the exports'): the lowest pair s x slower
     return base * factor ** (head_dim / (head_dim - 2))
 
@@ -119,31 +115,36 @@ def rope_table(pos, head_dim, base=10000.0, scaling="none", factor=1.0, original
     return torch.cat((cos, cos), -1).float(), torch.cat((-sin, sin), -1).float()
 
 
-def apply_rope(x, cos, sin):
-    """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) = x * cos + roll(x, D/2) * sin: three
-    kernels, on tables built once. float32 tables promote a bf16 x: never bf16 angles. Tables
-    narrower than x (rotary_fraction): their r channels turn (i with i + r/2), the rest pass."""
+def apply_rope(x, cos, sin, pairs="half"):
+    """Pair i: (x1, x2) -> (x1 cos a - x2 sin a, x2 cos a + x1 sin a); "half" pairs (i, i + D/2)
+    as x * cos + roll(x, D/2) * sin, "adjacent" (2i, 2i + 1) as a complex product (docs/MODEL.md).
+    float32 tables promote a bf16 x. Narrower tables (rotary_fraction): r channels turn."""
     r = cos.size(-1)
     if r < x.size(-1):
-        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), -1)
-    out = torch.addcmul(x * cos, x.roll(x.size(-1) // 2, dims=-1), sin)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+        return torch.cat((apply_rope(x[..., :r], cos, sin, pairs), x[..., r:]), -1)
+    if pairs == "half":
+        return torch.addcmul(x * cos, x.roll(r // 2, dims=-1), sin).to(x.dtype)
+    c, s = cos[..., :r // 2], sin[..., r // 2:]  # cos = [c, c], sin = [-s, s]
+    xp = x.to(torch.promote_types(x.dtype, cos.dtype)).unflatten(-1, (-1, 2))  # (.., r/2, 2)
+    if torch.compiler.is_compiling():  # inductor has no complex kernels, but fuses the sums
+        x1, x2 = xp.unbind(-1)
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), -1).flatten(-2).to(x.dtype)
+    return torch.view_as_real(torch.view_as_complex(xp) * torch.complex(c, s)).flatten(-2).to(x.dtype)
 
 
-# 3. Linear attention, RoFormer eq. 19 (docs/MODEL.md): causal, rotation in the numerator only,
-# the denominator at least GUARD x its bound. Chunked: a masked product in each chunk, a running
-# S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) across chunks.
+# 3. Linear attention, RoFormer eq. 19 (docs/MODEL.md): causal, rotation in the numerator only, the
+# denominator >= GUARD x its bound; chunked, S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) carried.
 GUARD = 0.25
 
 
 def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, state=None,
-                     eps=1e-6):
+                     eps=1e-6, pairs="half"):
     """q, k: (B, H, N, D), v: (B, H, N, Dv); cos/sin or None; state: (S, z) or None -> (out,
     (S, z)). In float32: fp16 sums overflow within a few hundred tokens, a bf16 state drifts."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     phi = (lambda t: F.elu(t) + 1.0) if feature_map == "elu" else F.relu
     fq, fk = fqk = phi(torch.stack((q, k)).to(dtype))  # q and k side by side: one op each
-    rq, rk = apply_rope(fqk, cos, sin) if cos is not None else fqk
+    rq, rk = apply_rope(fqk, cos, sin, pairs) if cos is not None else fqk
     v = v.to(dtype)
     B, H, N, D = q.shape
     length = min(chunk, N)
@@ -162,8 +163,9 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
     k_sum = z.unsqueeze(-2) + fk.cumsum(-2)      # sum of phi(k_n) over n <= m, at every m
     den = (fq * k_sum).sum(-1)
     if cos is not None:  # the guard; without rotation the weights are den's own terms
-        h = cos.size(-1) // 2  # pairs i, i + h turn; channels past 2h (partial RoPE) do not
-        fold = lambda t: torch.cat((t[..., :h] + t[..., h:2 * h], t[..., 2 * h:]), -1)  # noqa
+        r = cos.size(-1)  # apply_rope's pairs turn; channels past r (partial RoPE) do not
+        fold = lambda t: torch.cat((t[..., :r // 2] + t[..., r // 2:r] if pairs == "half" else  # noqa
+                                    t[..., :r].unflatten(-1, (-1, 2)).sum(-1), t[..., r:]), -1)
         den = torch.maximum(den, GUARD * (fold(fq) * fold(k_sum)).sum(-1))
     out = (num / (den.unsqueeze(-1) + eps)).flatten(2, 3)[:, :, :N]
     return out, (S[:, :, -1] + kv[:, :, -1], k_sum[:, :, -1, -1])
@@ -220,7 +222,7 @@ class Attention(nn.Module):
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
         rope = self.rope(positions)
-        q, k = apply_rope(qk, *rope) if rope else qk  # v: not rotated
+        q, k = apply_rope(qk, *rope, self.cfg.rope_pairs) if rope else qk  # v: not rotated
         v = v.squeeze(0)
         if positions.q_scale is not None:  # float32 scale, q's dtype after
             q = (q * positions.q_scale).to(k.dtype)
@@ -240,11 +242,11 @@ class Attention(nn.Module):
 
     def linear(self, qkv, positions, cache):
         q, k, v = qkv
-        # autocast off: the state and denominator must be summed in float32
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False):  # the sums must be float32
             y, (S, z) = linear_attention(q, k, v, *(self.rope(positions) or (None, None)),
                                          self.cfg.feature_map, self.cfg.linear_chunk,
-                                         None if cache is None else cache.state[self.layer])
+                                         None if cache is None else cache.state[self.layer],
+                                         pairs=self.cfg.rope_pairs)
             if self.cfg.linear_norm:
                 y = F.rms_norm(y, (y.size(-1),))
         if cache is not None:
@@ -293,9 +295,8 @@ class RoFormer(nn.Module):
             for name, p in self.named_parameters():  # a tied head is wte's weight: drawn once
                 init_parameter(name, p, cfg.n_layer, seed)
 
-    # Why a private hook: model.to(dtype) casts every floating buffer (no per-buffer opt-out);
-    # plain attributes would not follow model.to(device), DDP or FSDP; and a table cast to bf16
-    # and back is float32 again, rounded, so no dtype check at use could tell it to rebuild.
+    # Why a private hook: model.to(dtype) casts every floating buffer; plain attributes would not
+    # follow .to(device), DDP or FSDP; a table cast to bf16 and back is float32, rounded, unseen.
     def _apply(self, fn, *args, **kwargs):  # so the float32 tables stay as rope_table built them
         tables = {n: getattr(self, n) for n in ("rope_cos", "rope_sin", "sin_emb")}
         super()._apply(fn, *args, **kwargs)

@@ -10,7 +10,7 @@ RELATIVE = ("shaw", "t5", "alibi")  # the baselines that bias the attention scor
 
 CHOICES = {"attention": ("softmax", "linear"), "feature_map": ("elu", "relu"),
            "pos_encoding": ("rope", "learned", "sinusoidal", "none") + RELATIVE,
-           "rope_scaling": ("none", "linear", "ntk", "yarn")}
+           "rope_scaling": ("none", "linear", "ntk", "yarn"), "rope_pairs": ("adjacent", "half")}
 
 
 def check_config(cfg):

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import RoFormer, RoFormerConfig  # the importer puts the repo root on sys.path
+from harness.load import read  # the importer puts the repo root on sys.path
+from model import RoFormer, RoFormerConfig
 from lab_runs import write_csv
 from stats import spread
 
@@ -22,7 +23,7 @@ MULTIPLES = (1, 2, 4)  # extrapolation lengths, in units of block_size
 def load_model(ckpt_path, device, **overrides):
     """The checkpoint's model in eval mode, optionally with rope_scaling/rope_factor changed
     (the cos/sin tables are not in the state dict, so any scaling loads the same weights)."""
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    ckpt = read(ckpt_path)  # every reader's: an older run's model_args as it trained
     model = RoFormer(RoFormerConfig(**{**ckpt["model_args"], **overrides}))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval()

@@ -5,6 +5,7 @@ tokenizer, written here because llama.cpp's converter would misread our tokenize
 module makes the metadata and tensors, writes and reads them back and runs llama.cpp against
 our model; export.py decides what is exported and where. The file in detail: docs/EXPORT.md.
 """
+import dataclasses
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 import gguf
 
 from formats import neox
+from formats.hf import neox_state
 from model import ntk_base
 
 ARCH = "gptneox"
@@ -120,10 +122,10 @@ def encode_tensor(weight, gguf_type):
 
 def gguf_tensors(model, gguf_type):
     """{gguf name: (stored array, GGML type, shape in our (out, in) order)}. c_attn is already
-    llama.cpp's qkv layout; its loader requires every bias, so a bias-free model gets zeros."""
+    llama.cpp's qkv layout (q and k in NeoX's pair order: neox_state); its loader requires every
+    bias, so a bias-free model gets zeros."""
     c = model.config
-    state = {k: v.detach().to(device="cpu", dtype=torch.float32).numpy()
-             for k, v in model.state_dict().items()}
+    state = {k: v.numpy() for k, v in neox_state(model).items()}  # NeoX's pair order
     out = {}
     for ours, theirs in tensor_names(c.n_layer).items():
         weight = state[ours + ".weight"]
@@ -189,7 +191,8 @@ def verify_gguf(path, metadata, tensors):
 
 
 def weights_from_gguf(path, model):
-    """A copy of `model` with the file's weights (dequantized): what llama.cpp runs, our way."""
+    """A copy of `model` with the file's weights (dequantized): what llama.cpp runs, our way (with
+    half pairs, as the file is written)."""
     reader = gguf.GGUFReader(path)
     stored = {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                                  dtype=np.float32)).reshape(
@@ -199,7 +202,10 @@ def weights_from_gguf(path, model):
         for part in ("weight", "bias"):
             if f"{ours}.{part}" in state:
                 state[f"{ours}.{part}"] = stored[f"{theirs}.{part}"]
-    copy = type(model)(model.config).eval()
+    config = model.config  # the file pairs q and k channels (i, i + r/2): NeoX's order
+    if getattr(config, "rope_pairs", "half") != "half":
+        config = dataclasses.replace(config, rope_pairs="half")
+    copy = type(model)(config).eval()
     copy.load_state_dict(state)
     return copy
 

@@ -62,14 +62,31 @@ def neox_config(c, eos_id, torch_dtype):
     }
 
 
+def neox_state(model):
+    """The model's state dict in float32 on the CPU, with c_attn's q and k rows in GPT-NeoX's pair
+    order: a model that pairs adjacent channels (rope_pairs="adjacent", pair i = 2i, 2i + 1) has
+    each head's first r rows reordered to 0, 2, .., r - 2, 1, 3, .., r - 1 (pair i = i, i + r/2).
+    The same permutation of q and k leaves every score q . k as it was: the maths is unchanged."""
+    c = model.config
+    state = {k: v.detach().to(dtype=torch.float32, device="cpu") for k, v in
+             model.state_dict().items()}
+    if getattr(c, "rope_pairs", "half") == "adjacent":
+        H, D, r = c.n_head, c.n_embd // c.n_head, c.rotary_dim
+        order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, D)))
+        for key in [k for k in state if k.endswith("attn.c_attn.weight") or
+                    k.endswith("attn.c_attn.bias")]:
+            t = state[key].view(3, H, D, -1)
+            state[key] = torch.cat((t[:2, :, order], t[2:])).reshape(state[key].shape)
+    return state
+
+
 def neox_weights(model, dtype):
     """Our state dict -> GPT-NeoX tensor names, changing form, not content: c_attn's rows
     [q | k | v] regrouped per head, zero biases where bias=False, and the head (lm_head, tied or
     not) written as embed_out.weight, also for readers that do not tie (docs/EXPORT.md)."""
     c = model.config
     H, D, C = c.n_head, c.n_embd // c.n_head, c.n_embd  # heads, head size, width
-    state = {k: v.detach().to(dtype=torch.float32, device="cpu")
-             for k, v in model.state_dict().items()}
+    state = neox_state(model)
 
     def add(ours, theirs):  # a weight and its bias (zeros where we have none)
         w = out[theirs + ".weight"] = state[ours + ".weight"]

@@ -34,6 +34,7 @@ def read(path, mmap=False):
     if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
         raise UserError(f"cannot load {path}: it is not a checkpoint of this project (no model "
                         f"weights and model_args)")
+    ckpt["model_args"] = {"rope_pairs": "half", **ckpt["model_args"]}  # runs from before the key
     return ckpt
 
 

@@ -844,8 +844,8 @@ class FutureBias(RoFormer):
 
 class PartialRotaryLinear(RoFormer):
     """Issue 29's hidden coupling: RoPE on half of each head's channels (pairs i, i + D/4)
-    while eq. 19's guard still pairs i with i + D/2, so the guard no longer bounds the
-    numerator."""
+    while eq. 19's guard still folds the model's own pairs (i, i + D/2, or 2i, 2i + 1), so the
+    guard no longer bounds the numerator."""
 
     def forward(self, *args, **kw):
         real = model_module.apply_rope
@@ -854,7 +854,7 @@ class PartialRotaryLinear(RoFormer):
             h, q = x.size(-1) // 2, x.size(-1) // 4
             c, s = torch.cat((cos[..., :q], cos[..., :q]), -1), \
                 torch.cat((sin[..., :q], sin[..., h:h + q]), -1)
-            return torch.cat((real(x[..., :h], c, s, *args, **kw), x[..., h:]), -1)
+            return torch.cat((real(x[..., :h], c, s, "half"), x[..., h:]), -1)  # pairs i, i + D/4
         with mock.patch.object(model_module, "apply_rope", half_rotary):
             return super().forward(*args, **kw)
 
@@ -1011,8 +1011,8 @@ class PassesMore(RoFormer):
             positions = designs(positions, cache)
             return positions._replace(rope=positions.rope + (1.0,))
         with mock.patch.object(model_module, "F", Functional()), \
-                mock.patch.object(model_module, "apply_rope",
-                                  lambda x, cos, sin, gain: real_rope(x, cos, sin) * gain), \
+                mock.patch.object(model_module, "apply_rope", lambda x, cos, sin, gain, *a, **k:
+                                  real_rope(x, cos, sin, *a, **k) * gain), \
                 mock.patch.object(self, "designs", with_gain):
             return super().forward(*args, **kw)
 

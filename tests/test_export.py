@@ -170,6 +170,30 @@ def test_partial_rotary_logits_match_and_full_rotation_would_not(run, tmp_path, 
     assert max_logit_diff(whole, hf) > 1e-2
 
 
+@pytest.mark.parametrize("pairs,fraction", [("adjacent", 1.0), ("half", 1.0), ("adjacent", 0.5),
+                                            ("half", 0.5)])
+def test_both_pairings_export_and_the_other_pairing_would_not_match(run, tmp_path, pairs,
+                                                                    fraction):
+    """rope_pairs: adjacent (the default) and half (runs from before the key) both give
+    transformers' logits, partial rotary too, so the folder's q and k rows are in GPT-NeoX's
+    pair order for each; the same weights paired the other way are another model."""
+    args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, rope_pairs=pairs,
+                rotary_fraction=fraction)
+    torch.manual_seed(1)
+    model = RoFormer(RoFormerConfig(**args)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    export.main([f"--out_dir={out}", "--check=False"])
+    hf = load_hf(os.path.join(out, "hf"))
+    assert max_logit_diff(model, hf) < 1e-4
+    other = dict(args, rope_pairs="half" if pairs == "adjacent" else "adjacent")
+    other = RoFormer(RoFormerConfig(**other)).eval()
+    other.load_state_dict(model.state_dict())
+    assert max_logit_diff(other, hf) > 1e-2
+
+
 def test_trained_run_logits_and_greedy_generation_match(run):
     model, hf = run["model"], run["hf"]
     assert max_logit_diff(model, hf, seed=3) < 1e-4

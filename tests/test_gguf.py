@@ -236,11 +236,15 @@ def test_file_read_as_llama_cpp_reads_it_computes_our_logits(run, tmp_path, scal
         assert scaled == {"type": "none"}
         assert meta["gptneox.rope.freq_base"] == pytest.approx(
             c.rope_base * factor ** (head / (head - 2)) if scaling == "ntk" else c.rope_base)
-    # the HF layout (per head [q, k, v]) would be another model
+    # the HF layout (per head [q, k, v]) would be another model; an adjacent-pairs model's q
+    # rows are in NeoX's pair order, (0, 2, .., 1, 3, ..) of each head
     reader, _ = fields(path)
     qkv = tensor(reader, "blk.0.attn_qkv.weight")
     C, H = model.config.n_embd, model.config.n_head
-    q_ours = model.state_dict()["blocks.0.attn.c_attn.weight"][:C].double().numpy()
+    order = list(range(0, head, 2)) + list(range(1, head, 2)) \
+        if model.config.rope_pairs == "adjacent" else list(range(head))
+    q_ours = model.state_dict()["blocks.0.attn.c_attn.weight"][:C].view(H, head, C)[:, order]
+    q_ours = q_ours.reshape(C, C).double().numpy()
     assert np.array_equal(qkv[:C], q_ours)
     assert not np.allclose(qkv.reshape(3, H, C // H, C).transpose(1, 0, 2, 3).reshape(3 * C, C)[:C],
                            q_ours)

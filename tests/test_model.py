@@ -3,6 +3,7 @@ rotation matrices, the naive O(N^2) eq. 19, and uncached recomputation."""
 import math
 import os
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -29,15 +30,20 @@ def tiny(**kw):
     return RoFormer(RoFormerConfig(**args)).eval()
 
 
-def rotation_matrix(m, d, base=10000.0):
-    """The (d, d) block rotation R_m of the half-split convention, in float64: channel j
-    pairs with j + d/2 and turns by m * base^(-2j/d)."""
+def pair_channels(d, pairs="half"):
+    """The channels (a_j, b_j) of each pair j: (j, j + d/2), or (2j, 2j + 1) when adjacent."""
+    return [(2 * j, 2 * j + 1) if pairs == "adjacent" else (j, j + d // 2) for j in range(d // 2)]
+
+
+def rotation_matrix(m, d, base=10000.0, pairs="half"):
+    """The (d, d) block rotation R_m in float64: pair j (pair_channels) turns by
+    m * base^(-2j/d)."""
     R = torch.zeros(d, d, dtype=torch.float64)
-    for j in range(d // 2):
-        a = m * base ** (-2 * j / d)
-        c, s = math.cos(a), math.sin(a)
-        R[j, j], R[j, j + d // 2] = c, -s
-        R[j + d // 2, j], R[j + d // 2, j + d // 2] = s, c
+    for j, (a, b) in enumerate(pair_channels(d, pairs)):
+        angle = m * base ** (-2 * j / d)
+        c, s = math.cos(angle), math.sin(angle)
+        R[a, a], R[a, b] = c, -s
+        R[b, a], R[b, b] = s, c
     return R
 
 
@@ -59,7 +65,7 @@ def reference_forward(model, idx, window=None):
                            [math.cos(m * 10000 ** (-2 * i / c.n_embd)) for i in range(half)]
                            for m in range(T)], dtype=torch.float64)
         x = x + 0.02 * math.sqrt(2) * pe  # scaled to the token embeddings' init RMS
-    Rs = [rotation_matrix(m, D, c.rope_base) for m in range(T)]
+    Rs = [rotation_matrix(m, D, c.rope_base, c.rope_pairs) for m in range(T)]
     rot = lambda t: torch.stack([t[:, :, m] @ Rs[m].T for m in range(T)], dim=2)  # noqa
     mpos = torch.arange(T)
     allowed = mpos[:, None] >= mpos[None, :]
@@ -75,7 +81,8 @@ def reference_forward(model, idx, window=None):
             att = (q @ k.transpose(-1, -2)) / math.sqrt(D)
             y = att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
         else:
-            y = naive_eq19(q, k, v, c.feature_map, c.pos_encoding == "rope", c.rope_base)
+            y = naive_eq19(q, k, v, c.feature_map, c.pos_encoding == "rope", c.rope_base,
+                           pairs=c.rope_pairs)
         x = x + lin(y.transpose(1, 2).reshape(B, T, c.n_embd), p + "attn.c_proj")
         h = lin(ln(x, p + "ln_2"), p + "mlp.c_fc")
         h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
@@ -84,17 +91,18 @@ def reference_forward(model, idx, window=None):
                              "lm_head.weight"].T
 
 
-def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6, guard=0.25):
+def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6, guard=0.25,
+               pairs="half"):
     """RoFormer eq. 19, causal, one position at a time, float64, with the model's guard on the
     denominator (guard=0: eq. 19 as printed): max(den, guard * bound), where bound =
-    sum_n sum_pairs (a_i + a_i+h)(b_i + b_i+h) >= |every numerator weight|, a = phi(q_m),
-    b = phi(k_n), h = D/2. Without rotation there is no guard."""
+    sum_n sum_pairs (a_i + a_j)(b_i + b_j) >= |every numerator weight|, a = phi(q_m),
+    b = phi(k_n), (i, j) the pairs the rotation turns. Without rotation there is no guard."""
     q, k, v = q.double(), k.double(), v.double()
     phi = (lambda t: F.elu(t) + 1) if feature_map == "elu" else F.relu
     fq, fk = phi(q), phi(k)
     T, D = q.size(2), q.size(3)
-    h = D // 2
-    Rs = [rotation_matrix(m, D, base) if rope else torch.eye(D, dtype=torch.float64)
+    first, second = map(list, zip(*pair_channels(D, pairs)))
+    Rs = [rotation_matrix(m, D, base, pairs) if rope else torch.eye(D, dtype=torch.float64)
           for m in range(T)]
     rq = torch.stack([fq[:, :, m] @ Rs[m].T for m in range(T)], 2)
     rk = torch.stack([fk[:, :, m] @ Rs[m].T for m in range(T)], 2)
@@ -103,7 +111,7 @@ def naive_eq19(q, k, v, feature_map="elu", rope=True, base=10000.0, eps=1e-6, gu
         w = (rq[:, :, m:m + 1] * rk[:, :, :m + 1]).sum(-1)          # (B, H, m+1)
         den = (fq[:, :, m:m + 1] * fk[:, :, :m + 1]).sum(-1).sum(-1)  # (B, H)
         a, b = fq[:, :, m:m + 1], fk[:, :, :m + 1]
-        bound = ((a[..., :h] + a[..., h:]) * (b[..., :h] + b[..., h:])).sum(-1).sum(-1)
+        bound = ((a[..., first] + a[..., second]) * (b[..., first] + b[..., second])).sum(-1).sum(-1)
         if rope:
             den = torch.maximum(den, guard * bound)
         out[:, :, m] = (w[..., None] * v[:, :, :m + 1]).sum(2) / (den[..., None] + eps)
@@ -159,13 +167,119 @@ def test_rope_preserves_norm_and_scores_depend_on_offset_only():
         assert abs(lhs - rhs) / rhs.abs().clamp_min(1e-3) < 1e-4, (m, n)
 
 
-def test_rope_matches_explicit_rotation_matrix():
+@pytest.mark.parametrize("pairs", ["half", "adjacent"])
+def test_rope_matches_explicit_rotation_matrix(pairs):
     torch.manual_seed(0)
     x = torch.randn(5, 8, dtype=torch.float64)
     pos = torch.tensor([0, 3, 77, 5000, 65536])
-    got = apply_rope(x, *rope_table(pos, 8))
-    want = torch.stack([rotation_matrix(m, 8) @ x[i] for i, m in enumerate(pos.tolist())])
-    assert torch.allclose(got, want, atol=1e-6)
+    got = apply_rope(x, *rope_table(pos, 8), pairs)
+    want = torch.stack([rotation_matrix(m, 8, pairs=pairs) @ x[i]
+                        for i, m in enumerate(pos.tolist())])
+    assert got.dtype == torch.float64 and torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_adjacent_pairs_compiled_form_is_the_complex_product(dtype):
+    """Compiled, apply_rope writes adjacent pairs' turn out as sums (inductor has no complex
+    kernels); eager, one complex product. Both must give the same numbers, in x's dtype, the
+    angles never rounded to bf16, and the same gradient (q, k of every layer train through it)."""
+    torch.manual_seed(0)
+    cos, sin = rope_table(torch.arange(7) + 1000, 12)
+    x = torch.randn(2, 3, 7, 16, dtype=dtype, requires_grad=True)  # 12 turn, 4 pass
+    eager = apply_rope(x, cos, sin, "adjacent")
+    (g_eager,) = torch.autograd.grad(eager.double().square().sum(), x)
+    with mock.patch("torch.compiler.is_compiling", lambda: True):
+        sums = apply_rope(x, cos, sin, "adjacent")
+    (g_sums,) = torch.autograd.grad(sums.double().square().sum(), x)
+    assert eager.dtype == sums.dtype == dtype
+    assert torch.equal(eager[..., 12:], x[..., 12:])
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert (eager.double() - sums.double()).abs().max() <= tol
+    assert (g_eager.double() - g_sums.double()).abs().max() <= 10 * tol
+    want = torch.stack([torch.block_diag(rotation_matrix(m, 12, pairs="adjacent"),
+                                         torch.eye(4, dtype=torch.float64)) @ x[..., i, :].double()
+                        .unsqueeze(-1) for i, m in enumerate(range(1000, 1007))], -3).squeeze(-1)
+    tables = 1e-6  # the float32 tables' own rounding, whatever x's dtype
+    assert (eager.double() - want).abs().max() <= max(4 * tol, tables) * want.abs().max()
+
+
+def neox_order(D, r):
+    """Where each half-split channel comes from in the adjacent layout: pair j is (2j, 2j + 1)
+    there and (j, j + r/2) here; channels past r pass."""
+    return [2 * j if j < r // 2 else 2 * (j - r // 2) + 1 if j < r else j for j in range(D)]
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(rotary_fraction=0.5),
+                                    dict(attention="linear"),
+                                    dict(attention="linear", feature_map="relu",
+                                         rotary_fraction=0.5)])
+def test_adjacent_and_half_pairs_are_one_model_up_to_a_channel_permutation(fields):
+    """The two conventions differ by a fixed permutation of each head's q and k channels: the
+    same permutation of both leaves every score q . k as it was. An adjacent model's c_attn with
+    its q and k rows reordered (here by hand; formats/hf.py's neox_state, which both exports
+    write from) is a half model with the same logits, in float64, cached decoding too."""
+    from formats.hf import neox_state
+    adj = tiny(rope_pairs="adjacent", n_embd=32, **fields).double()
+    half = tiny(rope_pairs="half", n_embd=32, **fields).double()
+    H, D, C = 2, 16, 32
+    state = {k: v.clone() for k, v in adj.state_dict().items()}
+    for i in range(2):
+        w = state[f"blocks.{i}.attn.c_attn.weight"].view(3, H, D, C)
+        w[:2] = w[:2, :, neox_order(D, adj.config.rotary_dim)].clone()
+    half.load_state_dict(state)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    want = adj(idx, start_pos=5)[0]
+    assert (half(idx, start_pos=5)[0] - want).abs().max() < 1e-12
+    cached = cached_logits(half, idx, split=4) - cached_logits(adj, idx, split=4)
+    assert cached.abs().max() < 1e-12
+    half.load_state_dict({k: v.double() for k, v in neox_state(adj).items()})
+    assert (half(idx, start_pos=5)[0] - want).abs().max() < 1e-5  # neox_state is float32
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_adjacent_pairs_train_as_half_pairs_do(optimizer):
+    """The default moved to adjacent pairs for speed alone: from a half model's weights with each
+    head's q and k reordered, an adjacent model takes the same steps to the same losses (AdamW
+    is elementwise, Muon's orthogonalisation commutes with a permutation of rows, weight decay
+    and clipping see the same norms), so neither layout trains better; their random inits, drawn
+    alike and i.i.d., are equally likely."""
+    half, adj = tiny(rope_pairs="half", n_embd=32), tiny(rope_pairs="adjacent", n_embd=32)
+    state = {k: v.clone() for k, v in half.state_dict().items()}
+    back = [neox_order(16, 16).index(j) for j in range(16)]  # half -> adjacent channels
+    for i in range(2):
+        w = state[f"blocks.{i}.attn.c_attn.weight"].view(3, 2, 16, 32)
+        w[:2] = w[:2, :, back].clone()
+    adj.load_state_dict(state)
+    idx = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(4))
+    losses = []
+    for m in (half.train(), adj.train()):
+        opt, curve = build_optimizer(m, 3e-3, 0.1, name=optimizer), []
+        for _ in range(6):
+            loss = m(idx[:, :-1], idx[:, 1:])[1]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            curve.append(loss.item())
+        losses.append(curve)
+    assert losses[0][-1] < losses[0][0] - 0.05  # it trained
+    assert max(abs(a - b) for a, b in zip(*losses)) < 1e-5, losses
+
+
+def test_checkpoints_from_before_rope_pairs_load_as_half_pairs(tmp_path):
+    """model_args written before the key existed pair (i, i + d/2): harness/load.py's read, every
+    reader's, says so, and the weights give the logits they gave."""
+    from harness.load import read
+    old = tiny(rope_pairs="half")
+    args = {k: v for k, v in vars(old.config).items() if k != "rope_pairs"}
+    torch.save({"model_args": args, "model": old.state_dict()}, tmp_path / "ckpt.pt")
+    ckpt = read(str(tmp_path / "ckpt.pt"))
+    assert ckpt["model_args"]["rope_pairs"] == "half"
+    new = RoFormer(RoFormerConfig(**ckpt["model_args"])).eval()
+    new.load_state_dict(ckpt["model"])
+    idx = torch.randint(0, 61, (1, 10))
+    assert torch.equal(new(idx)[0], old(idx)[0])
+    assert RoFormerConfig(**args).rope_pairs == "adjacent"  # what a new run gets
 
 
 def test_rope_tables_stay_float32_and_out_of_state_dict():
@@ -515,15 +629,14 @@ def test_learned_positions_decode_a_full_block_prompt_and_one_token():
 
 
 def test_the_longest_input_is_one_rule_the_callers_share():
-    """Issue 36: RoFormerConfig.max_positions is where learned positions end, the rows of wpe
-    (the reference); forward and decode.check_request accept exactly that many positions
-    and refuse one more in one line naming block_size; the encodings whose tables grow have
-    no end (here, three times block_size)."""
+    """Issue 36: learned positions end at the rows of wpe (the reference); forward and
+    decode.check_request accept exactly that many positions and refuse one more in one line
+    naming block_size (RoFormerConfig.positions_error, the one rule); the encodings whose tables
+    grow have no end (here, three times block_size)."""
     from decode import check_request
     for pe in POS_ENCODINGS + ["t5"]:
         m = tiny(pos_encoding=pe, block_size=8)
-        limit = m.config.max_positions
-        assert limit == (m.wpe.num_embeddings if pe == "learned" else None)
+        limit = m.wpe.num_embeddings if pe == "learned" else None
         n = limit or 24
         with torch.no_grad():
             assert m(torch.zeros(1, n, dtype=torch.long))[0].isfinite().all()
@@ -738,7 +851,7 @@ def designs_reference(model, idx):
         local = c.window and not every(c.global_every, i)
         base = (c.local_rope_base or c.rope_base) if local else c.rope_base
         scale = c.rope_factor if c.rope_scaling == "linear" and not local else 1.0
-        R = [torch.block_diag(rotation_matrix(t / scale, r, base), torch.eye(D - r,
+        R = [torch.block_diag(rotation_matrix(t / scale, r, base, c.rope_pairs), torch.eye(D - r,
              dtype=torch.float64)) if not every(c.nope_every, i) else
              torch.eye(D, dtype=torch.float64) for t in range(T)]
         p = f"blocks.{i}."
