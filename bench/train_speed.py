@@ -26,9 +26,12 @@ step, zero_grad, loss.item()).
 --overhead=True: per-iteration time, one iteration being the time between two
 optimizer.zero_grad calls, of (1) that nanoGPT-equivalent step, (2) the same plain loop on our
 RoFormer with RoPE, (3) train.py itself (RoPE), run in this process, so everything it does per
-step (batch, logging, checks) counts. --rounds rounds, each runs all three (the order rotates
-every round), --steps steps each with the first --warmup dropped; medians and per-round ratios
-to (1) are reported. (2)/(1): RoPE, (3)/(2): train.py's loop.
+step (batch, logging, checks) counts, and (4) train.py with --rope_pairs=half (the rotation's
+roll form, the default before adjacent pairs). --rounds rounds, each runs all four (the order
+rotates every round), --steps steps each with the first --warmup dropped; medians and per-round
+ratios to (1) are reported. (2)/(1): RoPE, (3)/(2): train.py's loop. --cpu_clock=True times
+with this process's CPU time instead of the wall clock: at 1 thread, time the machine gives to
+other jobs then does not count.
 --whole=True: wall time of `python train.py` for --iters iterations (evaluating at 0,
 --eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
 them) against `python bench/train_speed.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
@@ -69,12 +72,14 @@ defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": Tr
             "eval_iters": 20, "plain_run": "", "adamw_step": False, "target": False,
             "text": "data/shakespeare/input.txt", "text_chars": 1_115_394, "target_iters": 2000,
             "target_eval": 25, "target_batches": 20, "muon_lr": 0.02, "seed": 1337,
-            "ours_iters": 0, "ours_warmup": 100, "ours_cooldown": 0.0, "ours_lr": 0.0}
+            "ours_iters": 0, "ours_warmup": 100, "ours_cooldown": 0.0, "ours_lr": 0.0,
+            "cpu_clock": False}
 try:
     args = configure(defaults, sys.argv[1:])
 except UserError as e:
     sys.exit(f"error: {e}")
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLOCK = time.process_time if args["cpu_clock"] else time.perf_counter  # --overhead's stamps
 
 
 REAL_ZERO_GRAD = torch.optim.Optimizer.zero_grad
@@ -87,7 +92,7 @@ def zero_grad_clock(on_stamp=None):
 
     def stamped(self, *a, **kw):
         real(self, *a, **kw)
-        stamps.append(time.perf_counter())
+        stamps.append(CLOCK())
         if on_stamp is not None:
             on_stamp()
     torch.optim.Optimizer.zero_grad = stamped
@@ -103,11 +108,12 @@ def train_py_argv(data_dir, out_dir, n, eval_interval, eval_iters):
     return argv + [f"--{k}={v}" for k, v in RECIPE.items() if k != "vocab_size"]
 
 
-def run_train_py(n, data_dir, out_dir):
+def run_train_py(n, data_dir, out_dir, extra=()):
     """n iterations of train.py itself in this process (output to /dev/null)."""
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     old_argv = sys.argv
-    sys.argv = [os.path.join(here, "train.py")] + train_py_argv(data_dir, out_dir, n, 10 * n, 1)
+    sys.argv = [os.path.join(here, "train.py")] + train_py_argv(data_dir, out_dir, n, 10 * n,
+                                                                1) + list(extra)
     try:
         with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), \
                 contextlib.redirect_stderr(null):
@@ -129,16 +135,18 @@ def make_random_data(d):
                    "val_tokens": 20_000}, f)
 
 
-STEP_KINDS = ["learned", "rope", "train.py"]
+STEP_KINDS = ["learned", "rope", "train.py", "train.py half"]
 STEP_NAMES = {"learned": "(1) nanoGPT-equivalent plain step (our RoFormer, learned positions)",
               "rope": "(2) plain loop, our RoFormer, RoPE",
-              "train.py": "(3) train.py's whole iteration (RoPE)"}
+              "train.py": "(3) train.py's whole iteration (RoPE)",
+              "train.py half": "(4) the same, --rope_pairs=half (the roll form, before adjacent)"}
 
 
 def overhead_round(kind, stamps, n, tmp, r):
     first = len(stamps)
-    if kind == "train.py":
-        run_train_py(n, tmp, os.path.join(tmp, f"out{r}"))
+    if kind.startswith("train.py"):
+        run_train_py(n, tmp, os.path.join(tmp, f"out{kind[-4:]}{r}"),
+                     ["--rope_pairs=half"] if kind.endswith("half") else [])
     else:
         model = plain_model(kind)
         opt = plain_optimizer(model)
@@ -163,7 +171,8 @@ def overhead(threads):
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = RECIPE["batch_size"] * RECIPE["block_size"]
     print(f"\nnanoGPT's CPU recipe {RECIPE}, float32, eager, {threads} thread(s); median of "
-          f"{len(times['learned'])} steps each, {args['rounds']} rotating rounds")
+          f"{len(times['learned'])} steps each, {args['rounds']} rotating rounds, "
+          f"{'CPU time' if args['cpu_clock'] else 'wall clock'}")
     print("| step | ms/iter | tokens/s | vs (1) | vs (1) per round |")
     print("|---|---:|---:|---:|---|")
     for k in STEP_KINDS:
