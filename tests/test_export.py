@@ -144,6 +144,19 @@ def test_random_model_logits_and_greedy_generation_match(run, tmp_path, scaling,
     assert torch.equal(ours, theirs)
 
 
+def sharp_export(run, tmp_path, args):
+    """A fresh model of `args` with q and k made sharp (x10, so positions steer the output),
+    saved as a run and exported: (model, run folder, transformers' model of the folder)."""
+    torch.manual_seed(1)
+    model = RoFormer(RoFormerConfig(**args)).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    export.main([f"--out_dir={out}", "--check=False"])
+    return model, out, load_hf(os.path.join(out, "hf"))
+
+
 @pytest.mark.parametrize("scaling,factor,original", [
     ("none", 1.0, 0), ("ntk", 4.0, 0), ("yarn", 4.0, 16), ("linear", 2.0, 0)])
 def test_partial_rotary_logits_match_and_full_rotation_would_not(run, tmp_path, scaling, factor,
@@ -153,14 +166,7 @@ def test_partial_rotary_logits_match_and_full_rotation_would_not(run, tmp_path, 
     same weights rotating whole heads are another model."""
     args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, rotary_fraction=0.5,
                 rope_scaling=scaling, rope_factor=factor, rope_original=original)
-    torch.manual_seed(1)
-    model = RoFormer(RoFormerConfig(**args)).eval()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
-    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
-    export.main([f"--out_dir={out}", "--check=False"])
-    hf = load_hf(os.path.join(out, "hf"))
+    model, out, hf = sharp_export(run, tmp_path, args)
     assert max_logit_diff(model, hf) < 1e-4
     with open(os.path.join(out, "hf", "config.json")) as f:
         assert json.load(f)["rotary_pct"] == hf.config.rope_parameters["partial_rotary_factor"] \
@@ -179,14 +185,7 @@ def test_both_pairings_export_and_the_other_pairing_would_not_match(run, tmp_pat
     pair order for each; the same weights paired the other way are another model."""
     args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, rope_pairs=pairs,
                 rotary_fraction=fraction)
-    torch.manual_seed(1)
-    model = RoFormer(RoFormerConfig(**args)).eval()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.c_attn.weight[:2 * args["n_embd"]] *= 10.0
-    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
-    export.main([f"--out_dir={out}", "--check=False"])
-    hf = load_hf(os.path.join(out, "hf"))
+    model, _, hf = sharp_export(run, tmp_path, args)
     assert max_logit_diff(model, hf) < 1e-4
     other = dict(args, rope_pairs="half" if pairs == "adjacent" else "adjacent")
     other = RoFormer(RoFormerConfig(**other)).eval()
