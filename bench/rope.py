@@ -92,9 +92,11 @@ def rotation_forms(device, rounds):
     def layer(pairs, sums=False):
         def run(qkv):
             qk, v = qkv.view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).split((2, 1))
-            if pairs:
-                with mock.patch("torch.compiler.is_compiling", lambda: sums):
+            if pairs and sums:  # the form torch.compile runs, here eager
+                with mock.patch("torch.compiler.is_compiling", lambda: True):
                     qk = current.apply_rope(qk, cos, sin, pairs)
+            elif pairs:  # compiled (on CUDA below) it takes the sums by itself
+                qk = current.apply_rope(qk, cos, sin, pairs)
             return F.scaled_dot_product_attention(*qk, v[0], is_causal=True)
         return run
     forms = {"no rotation": layer(None), "half: mul, roll, addcmul": layer("half"),
