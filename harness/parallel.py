@@ -33,13 +33,12 @@ from harness.files import fsync
 def ranks(gradient_accumulation_steps):
     """(rank, local_rank, world) from torchrun's environment, once this worker is tied to its
     launcher (stop_with_launcher) and the accumulation is checked: it counts the micro-steps of
-    all ranks (every rank sees a mistake; rank 0 says it, once)."""
+    all ranks. Every rank raises the mistake and the launcher's store lets one say it: a rank
+    that left quietly at once let torchrun kill the speaker before it spoke, on a busy host."""
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     stop_with_launcher()
     steps = gradient_accumulation_steps
     if steps % world:
-        if rank:
-            sys.exit(1)
         raise UserError(f"gradient_accumulation_steps ({steps}) counts the micro-steps of all "
                         f"{world} processes, so it must be a multiple of {world}: pass e.g. "
                         f"--gradient_accumulation_steps={world * -(-steps // world)}")

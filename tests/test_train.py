@@ -1056,13 +1056,22 @@ def test_the_readmes_cpu_torchrun_example_runs_as_written(data, tmp_path):
     assert "FutureWarning" not in r.stderr and "broadcast_buffers" not in r.stderr, r.stderr
 
 
-def test_accumulation_that_the_processes_cannot_share_is_said_once(data, tmp_path):
-    """Accumulation 1 on 2 processes: the error used to be printed by every rank. Rank 0 says
-    it once, with the value to pass; nothing is trained or written."""
+@pytest.mark.parametrize("late_rank", [None, 0])
+def test_accumulation_that_the_processes_cannot_share_is_said_once(data, tmp_path, late_rank):
+    """Accumulation 1 on 2 processes: the error used to be printed by every rank. It is said
+    once, with the value to pass; nothing is trained or written. late_rank=0 starts rank 0 3 s
+    late, as a busy host did: a rank 1 that left quietly at once got it killed before it spoke."""
     out = tmp_path / "out"
+    script = TRAIN
+    if late_rank is not None:
+        script = tmp_path / "late.py"
+        script.write_text(f"import os, runpy, sys, time\n"
+                          f"time.sleep(3 * (os.environ['RANK'] == '{late_rank}'))\n"
+                          f"sys.argv[0], sys.path[0] = {TRAIN!r}, {ROOT!r}\n"
+                          f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=2", TRAIN, f"--data_dir={data}", f"--out_dir={out}",
-                        *TINY, "--max_iters=2"],
+                        "--nproc_per_node=2", str(script), f"--data_dir={data}",
+                        f"--out_dir={out}", *TINY, "--max_iters=2"],
                        capture_output=True, text=True, cwd=ROOT, env=env())
     assert r.returncode != 0
     said = [ln for ln in (r.stdout + r.stderr).splitlines() if "gradient_accumulation" in ln]
