@@ -2,8 +2,8 @@
 `scan` (pass 1: validate, count, draw tokenizer sample candidates) and `encode` (pass 2: token
 ids, each document finished by the end-of-document id)."""
 import collections
+import concurrent.futures
 import itertools
-import multiprocessing
 import os
 
 import numpy as np
@@ -32,19 +32,26 @@ def cpu_seconds():
 def ordered_map(fn, jobs, num_proc, settings):
     """fn over jobs in num_proc worker processes (each set up by init_worker(settings)), results
     in the order of the jobs. At most a few jobs are in flight, so a fast reader cannot queue
-    up the whole corpus in memory."""
+    up the whole corpus in memory. When the reader stops early (an error in a batch), the jobs
+    not started are dropped and the running ones finish: multiprocessing.Pool's terminate()
+    could kill a worker while it held the result pipe's lock and hang (seen under load)."""
     if num_proc <= 1:
         init_worker(settings)
         yield from map(fn, jobs)
         return
-    with multiprocessing.Pool(num_proc, init_worker, (settings,)) as pool:
+    with concurrent.futures.ProcessPoolExecutor(num_proc, initializer=init_worker,
+                                                initargs=(settings,)) as pool:
         window = collections.deque()
-        for job in jobs:
-            window.append(pool.apply_async(fn, (job,)))
-            if len(window) >= 2 * num_proc + 2:
-                yield window.popleft().get()
-        while window:
-            yield window.popleft().get()
+        try:
+            for job in jobs:
+                window.append(pool.submit(fn, job))
+                if len(window) >= 2 * num_proc + 2:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+        finally:
+            for future in window:
+                future.cancel()
 
 
 # This worker process's settings (text fields, undecodable, seed; encode: tokenizer, dtype).

@@ -369,6 +369,31 @@ def test_error_undecodable_fail_and_skip(tmp_path):
     assert meta["documents"] == 4
 
 
+def slow_job(job):
+    """A job that marks its start, works 0.3 s, then marks its end (module level: the workers
+    look it up by name)."""
+    import time
+    folder, i = job
+    open(os.path.join(folder, f"{i}.start"), "w").close()
+    time.sleep(0.3)
+    open(os.path.join(folder, f"{i}.end"), "w").close()
+    return i
+
+
+def test_workers_stopped_early_finish_their_jobs_and_drop_the_rest(tmp_path):
+    """A reader that stops at the first result (a batch with an error) used to terminate the
+    pool, which killed workers mid-job and once hung prepare.py for good (a worker killed while
+    holding the result pipe's lock). Now every job that started finishes, the rest never start,
+    and the results come in the order of the jobs."""
+    jobs = ((str(tmp_path), i) for i in range(40))
+    results = workers.ordered_map(slow_job, jobs, 2, {})
+    assert [next(results), next(results)] == [0, 1]
+    results.close()
+    started = {int(f.split(".")[0]) for f in os.listdir(tmp_path) if f.endswith(".start")}
+    ended = {int(f.split(".")[0]) for f in os.listdir(tmp_path) if f.endswith(".end")}
+    assert started == ended and {0, 1} <= started and len(started) < 12, (started, ended)
+
+
 def test_error_vocab_too_large(tmp_path):
     make_corpus(tmp_path / "c", n_files=3)
     r = run_script("text", "--input", str(tmp_path / "c"), "--out_dir", str(tmp_path / "o"),
