@@ -15,6 +15,7 @@ of --adamw_lrs (first seed); if the best is at an end of the list, one more rate
 best rate, extended the same way. Then the other seeds at each optimizer's best rate. Runs
 already in --results (one JSON line each) are not run again, so an interrupted sweep resumes.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -111,15 +112,27 @@ def sweep(dataset, opt, lrs, seed, adamw_lr, done):
     return finals, best
 
 
-ARMS = ("adamw", "muon", "muon, NS in bf16")
+ARMS = ("adamw", "muon", "muon, NS in bf16", "muon, no Gram form")
+
+
+def plain_newton_schulz(x, a, b, c, steps):
+    """muon.gram_newton_schulz's stand-in for the "no Gram form" arm: the plain iteration
+    (muon.orthogonalise's other branch), to time the Gram form against it."""
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
 
 
 def step_cost(shape):
     """ms per training step (forward, backward, optimizer) of adamw, muon as train.py builds it
-    here (Newton-Schulz in bf16 where the CPU has it natively, else float32) and muon forced to
-    orthogonalise in bf16 (torch.optim.Muon's choice everywhere), on one model, rotated step by
-    step so the shared machine's load hits all alike; bf16 autocast where the CPU has it
-    natively, as train.py's auto dtype does."""
+    here (Newton-Schulz in bf16 where the CPU has it natively, else float32, wide matrices in
+    the Gram form), muon forced to orthogonalise in bf16 (torch.optim.Muon's choice everywhere)
+    and muon without the Gram form, on one model, rotated step by step so the shared machine's
+    load hits all alike; bf16 autocast where the CPU has it natively, as train.py's auto dtype
+    does."""
+    import muon
+    from unittest import mock
     from model import RoFormer, RoFormerConfig
     from optim import build_optimizer
     torch.set_num_threads(args["threads"])
@@ -135,15 +148,17 @@ def step_cost(shape):
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
     times = {o: [] for o in models}
     # minutes at config/small.py's shape, where bf16 is emulated: a bar, or a line in a log
-    bar = bars.bar(total=3 * (args["time_steps"] + 2),
+    bar = bars.bar(total=len(ARMS) * (args["time_steps"] + 2),
                    desc=f"timing steps (block {T}, batch {B})", unit="step")
     for i in range(args["time_steps"] + 2):
-        for o in ARMS[i % 3:] + ARMS[:i % 3]:
+        for o in ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]:
             t0 = time.perf_counter()
             with ctx:
                 loss = models[o](x, y)[1]
             loss.backward()
-            opts[o].step()
+            with (mock.patch.object(muon, "gram_newton_schulz", plain_newton_schulz)
+                  if o == "muon, no Gram form" else contextlib.nullcontext()):
+                opts[o].step()
             opts[o].zero_grad(set_to_none=True)
             if i >= 2:  # the first two steps allocate optimizer state
                 times[o].append(time.perf_counter() - t0)
@@ -157,12 +172,14 @@ def print_costs(costs):
           f"rotated steps; muon's Newton-Schulz in "
           f"{'bf16' if cpu_has_bf16() else 'float32'} on this CPU "
           f"({'native' if cpu_has_bf16() else 'no native'} bf16)")
-    print("| model | adamw ms/step | muon ms/step | muon, NS in bf16 | muon / adamw | "
-          "muon, NS in bf16 / adamw |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | adamw ms/step | muon ms/step | muon, NS in bf16 | muon, no Gram form | "
+          "muon / adamw | muon, NS in bf16 / adamw | muon, no Gram form / adamw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, c in costs.items():
         print(f"| {name} | {c['adamw']:.0f} | {c['muon']:.0f} | {c['muon, NS in bf16']:.0f} | "
-              f"{c['muon'] / c['adamw']:.3f} | {c['muon, NS in bf16'] / c['adamw']:.3f} |")
+              f"{c['muon, no Gram form']:.0f} | {c['muon'] / c['adamw']:.3f} | "
+              f"{c['muon, NS in bf16'] / c['adamw']:.3f} | "
+              f"{c['muon, no Gram form'] / c['adamw']:.3f} |")
 
 
 SMALL = dict(n_layer=4, n_head=4, n_embd=256, block_size=256, batch_size=16)

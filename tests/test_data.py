@@ -1233,5 +1233,12 @@ def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
     assert set(optim.step_cost(tiny)) == set(optim.ARMS)
     errtext = capsys.readouterr().err
     lines = [line for line in errtext.splitlines() if line.startswith("timing steps")]
-    assert len(lines) == 9 and "\r" not in errtext, errtext  # (1 + 2 warm-up) x 3 arms
-    assert "9/9 step (100%)" in lines[-1] and "left" in lines[0], lines
+    assert len(lines) == 12 and "\r" not in errtext, errtext  # (1 + 2 warm-up) x 4 arms
+    assert "12/12 step (100%)" in lines[-1] and "left" in lines[0], lines
+    # the "no Gram form" arm times the same map as muon.gram_newton_schulz, done plainly
+    import torch
+    from muon import Muon, gram_newton_schulz
+    x = torch.randn(16, 64, dtype=torch.float64)
+    x /= x.norm()
+    assert torch.allclose(optim.plain_newton_schulz(x, *Muon.COEFFICIENTS, 5),
+                          gram_newton_schulz(x, *Muon.COEFFICIENTS, 5), atol=1e-12, rtol=0)
