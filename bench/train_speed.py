@@ -136,6 +136,7 @@ def make_random_data(d):
 
 
 STEP_KINDS = ["learned", "rope", "train.py", "train.py half"]
+TRAIN_PY_FLAGS = {"train.py": [], "train.py half": ["--rope_pairs=half"]}  # kind: extra flags
 STEP_NAMES = {"learned": "(1) nanoGPT-equivalent plain step (our RoFormer, learned positions)",
               "rope": "(2) plain loop, our RoFormer, RoPE",
               "train.py": "(3) train.py's whole iteration (RoPE)",
@@ -144,9 +145,9 @@ STEP_NAMES = {"learned": "(1) nanoGPT-equivalent plain step (our RoFormer, learn
 
 def overhead_round(kind, stamps, n, tmp, r):
     first = len(stamps)
-    if kind.startswith("train.py"):
-        run_train_py(n, tmp, os.path.join(tmp, f"out{kind[-4:]}{r}"),
-                     ["--rope_pairs=half"] if kind.endswith("half") else [])
+    if kind in TRAIN_PY_FLAGS:
+        run_train_py(n, tmp, os.path.join(tmp, f"out{STEP_KINDS.index(kind)}-{r}"),
+                     TRAIN_PY_FLAGS[kind])
     else:
         model = plain_model(kind)
         opt = plain_optimizer(model)
