@@ -252,6 +252,6 @@ def target(threads, args):
         where = "- | - | - | -"
         if hit:
             base_s = next(s for i, s, _ in base.curve if i == hit[0])
-            where = f"{hit[0]} | {hit[1]:.1f} | {base_s:.1f} | {hit[1] / base_s * hit[0] / n:.2f}x"
+            where = f"{hit[0]} | {hit[1]:.1f} | {base_s:.1f} | {hit[1] / base_s * hit[0] / n:.3f}x"
         print(f"| {r.kind} | {r.curve[-1][2]:.4f} | "
               f"{r.curve[-1][2] - goal:+.4f} | {where} | {r.seconds:.1f} |")
