@@ -5,6 +5,7 @@ import collections
 import concurrent.futures
 import itertools
 import os
+import signal
 
 import numpy as np
 
@@ -39,7 +40,7 @@ def ordered_map(fn, jobs, num_proc, settings):
         init_worker(settings)
         yield from map(fn, jobs)
         return
-    with concurrent.futures.ProcessPoolExecutor(num_proc, initializer=init_worker,
+    with concurrent.futures.ProcessPoolExecutor(num_proc, initializer=start_worker,
                                                 initargs=(settings,)) as pool:
         window = collections.deque()
         try:
@@ -56,6 +57,14 @@ def ordered_map(fn, jobs, num_proc, settings):
 
 # This worker process's settings (text fields, undecodable, seed; encode: tokenizer, dtype).
 _worker = {}
+
+
+def start_worker(settings):
+    """A worker process's start: Ctrl-C reaches the whole process group, and the main process
+    alone handles it (it stops the pool and says one line), so a worker ignores it rather than
+    print a KeyboardInterrupt traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    init_worker(settings)
 
 
 def init_worker(settings):

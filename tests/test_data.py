@@ -394,6 +394,26 @@ def test_workers_stopped_early_finish_their_jobs_and_drop_the_rest(tmp_path):
     assert started == ended and {0, 1} <= started and len(started) < 12, (started, ended)
 
 
+def ctrl_c_job(i):
+    """A job that gets the Ctrl-C a terminal sends to the whole process group, then finishes."""
+    import signal
+    import time
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.05)
+    return i
+
+
+def test_workers_leave_ctrl_c_to_the_main_process():
+    """Ctrl-C reaches every process of the group: a worker used to die of it with a traceback
+    of its own printed beside prepare.py's one line (and the pool sometimes hung). Workers
+    ignore it; the main process stops the pool."""
+    try:
+        results = list(workers.ordered_map(ctrl_c_job, range(6), 2, {}))
+    except KeyboardInterrupt:  # a worker's, passed on as its job's result
+        pytest.fail("a worker died of the Ctrl-C")
+    assert results == list(range(6))
+
+
 def test_error_vocab_too_large(tmp_path):
     make_corpus(tmp_path / "c", n_files=3)
     r = run_script("text", "--input", str(tmp_path / "c"), "--out_dir", str(tmp_path / "o"),
