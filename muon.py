@@ -1,19 +1,12 @@
-"""
-optimizer=muon (imported only then, by optim.build_optimizer): Muon for the hidden matrices,
-paired with AdamW for the rest and stepped and checkpointed with it as one optimizer.
-"""
+"""optimizer=muon (imported then only, by optim.build_optimizer): Muon, and MuonAdamW."""
 import math
 
 import torch
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon: SGD momentum (Nesterov), then each matrix's update orthogonalised by a quintic
-    Newton-Schulz iteration. torch.optim.Muon's update, hyperparameters and state_dict (so its
-    checkpoints load here), with one change: the iteration runs in `ns_dtype` (in float32, wide
-    matrices in a cheaper form of it: orthogonalise). torch's always runs it in bfloat16, which
-    a CPU without native bf16 emulates ~100x slower than float32: there the optimizer step cost
-    several times the whole forward and backward."""
+    """torch.optim.Muon's update (Nesterov momentum, then Newton-Schulz), hyperparameters and
+    state_dict, but in `ns_dtype`: torch's bfloat16 is ~100x slower where a CPU emulates it."""
 
     COEFFICIENTS = (3.4445, -4.775, 2.0315)  # (a, b, c): x <- a x + (b G + c G^2) x, G = x x^T
 
@@ -28,33 +21,24 @@ class Muon(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             for p in (p for p in group["params"] if p.grad is not None):
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
+                if (buf := self.state[p].get("momentum_buffer")) is None:
+                    buf = self.state[p]["momentum_buffer"] = torch.zeros_like(p)
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"],
                                        group["eps"], self.ns_dtype)
-                # the rate scaled by sqrt(rows / cols) for tall matrices (torch's "original"
-                # adjustment): the update's RMS alike across shapes at one lr
+                # torch's "original" rate adjustment: the update's RMS alike across shapes
                 rate = group["lr"] * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update, alpha=-rate)
 
 
 def orthogonalise(g, coefficients, steps, eps, dtype):
-    """Newton-Schulz on the wide orientation of `g` (fewer FLOPs), after scaling it to Frobenius
-    norm 1 (so every singular value is <= 1): it pushes the singular values towards ~1 (0.7 to
-    1.2, not exactly 1: the coefficients trade exactness for speed) and keeps the singular
-    vectors. The operations are torch.optim.Muon's, in the same order, so in bfloat16 the two
-    agree to the bit (tests/test_optim.py). In float32 a matrix at least twice as wide as tall
-    takes the same iteration in its Gram form (gram_newton_schulz)."""
+    """Newton-Schulz on `g` turned wide, scaled to norm 1: singular values to 0.7-1.2, vectors
+    kept; torch's operations (bit-equal in bf16), or in float32 for 2x-wide ones the Gram form."""
     a, b, c = coefficients
-    x = g.to(dtype)
     tall = g.size(0) > g.size(1)
-    if tall:
-        x = x.T
+    x = (g.T if tall else g).to(dtype)
     x.div_(x.norm().clamp(min=eps))
     if dtype in (torch.float32, torch.float64) and steps and x.size(1) >= 2 * x.size(0):
         x = gram_newton_schulz(x, a, b, c, steps)
@@ -66,13 +50,9 @@ def orthogonalise(g, coefficients, steps, eps, dtype):
 
 
 def gram_newton_schulz(x, a, b, c, steps):
-    """The iteration above for a wide m x n `x`, run on m x m matrices. Each step maps x to
-    p(x x^T) x, p(r) = a + b r + c r^2, so every iterate is q x with q a polynomial in r = x x^T;
-    all of them commute, so q and the iterate's own Gram matrix p r p can be carried instead,
-    and x is multiplied once, at the end. The same map in exact arithmetic, for 4m^2 a step
-    instead of 2mn + m^2 (x 2m FLOPs), plus x x^T and the last product: 38% fewer FLOPs at
-    n = 4m, 26% at 3m. Only in float32 or wider: squaring the spectrum loses small singular
-    values in bfloat16."""
+    """The same map for a wide m x n `x`: each iterate is q x, q a polynomial in x x^T, so q and
+    the iterate's Gram matrix (p r p: all commute) are carried and x is multiplied once (38%
+    fewer FLOPs at n = 4m; docs/OPTIM.md). Not in bf16: squaring the spectrum rounds it off."""
     r, q = x @ x.T, None
     for k in range(steps):
         p = torch.addmm(r, r, r, beta=b, alpha=c)
@@ -84,16 +64,14 @@ def gram_newton_schulz(x, a, b, c, steps):
 
 
 class MuonAdamW:
-    """Muon on the hidden matrices and torch.optim.AdamW on everything else,
-    stepped, zeroed and checkpointed as one optimizer."""
+    """Muon on the hidden matrices, torch.optim.AdamW on the rest: stepped and saved as one."""
 
     def __init__(self, muon, adamw):
         self.muon, self.adamw = muon, adamw
 
     @property
     def param_groups(self):
-        # Read afresh every time: load_state_dict replaces the group dicts, and the training
-        # loop's lr writes must reach the live ones.
+        # read afresh: load_state_dict replaces the group dicts, which the lr writes must reach
         return self.muon.param_groups + self.adamw.param_groups
 
     def step(self):
@@ -109,7 +87,6 @@ class MuonAdamW:
 
     def load_state_dict(self, state):
         if set(state) != {"muon", "adamw"}:
-            raise ValueError("the checkpoint's optimizer state is not Muon's (a run trained with "
-                             "optimizer=adamw resumes with optimizer=adamw)")
+            raise ValueError("this optimizer state is not Muon's: resume with optimizer=adamw")
         self.muon.load_state_dict(state["muon"])
         self.adamw.load_state_dict(state["adamw"])
