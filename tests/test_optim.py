@@ -90,10 +90,10 @@ def test_an_untied_head_is_adamws_and_decayed_once(name):
     assert m.lm_head.weight is not m.wte.weight
 
 
-def newton_schulz_reference(G, steps=5, a=3.4445, b=-4.7750, c=2.0315):
-    """Muon's documented orthogonalisation in float64: scale to Frobenius norm 1, then
-    X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation."""
-    X = G.double()
+def newton_schulz_reference(G, steps=5, a=3.4445, b=-4.7750, c=2.0315, dtype=torch.float64):
+    """Muon's documented orthogonalisation in float64 (or `dtype`): scale to Frobenius norm 1,
+    then X <- a X + (b A + c A^2) X with A = X X^T, on the wide orientation."""
+    X = G.to(dtype)
     wide = X.shape[0] <= X.shape[1]
     X = X if wide else X.T
     X = X / X.norm()
@@ -124,13 +124,10 @@ def test_the_gram_form_is_the_documented_iteration(shape, spectrum):
     ours = orthogonalise(g.float(), Muon.COEFFICIENTS, 5, 1e-7, torch.float32)
     wide = t(g.float()) / g.float().norm()
     assert torch.equal(ours, t(gram_newton_schulz(wide, *Muon.COEFFICIENTS, 5)))  # its form
-    plain = wide
-    for _ in range(5):
-        a = plain @ plain.T
-        plain = 3.4445 * plain + (-4.775 * a + 2.0315 * a @ a) @ plain
+    plain = newton_schulz_reference(g.float(), dtype=torch.float32)
     bf16 = orthogonalise(g.float(), Muon.COEFFICIENTS, 5, 1e-7, torch.bfloat16)
     err, plain_err, bf16_err = ((x.double() - want).norm() / want.norm()
-                                for x in (ours, t(plain), bf16))
+                                for x in (ours, plain, bf16))
     assert err < 1e-3 and err < bf16_err / 100, (err, bf16_err)
     assert spectrum == "decaying" or err < 4 * plain_err, (err, plain_err)
 
