@@ -76,7 +76,7 @@ def one_token_step(model, cache, compile, device):
     """The function called per token once the prefill has allocated every cache tensor:
     (B, 1) tokens and a (1,) position tensor -> (B, V) logits. Eager, the model's forward;
     compiled, the same forward traced once into a static graph (the position is data, the
-    cache preallocated), with CUDA graphs on CUDA."""
+    cache preallocated), its host code CUDA graphs or C++."""
     if not compile:
         return lambda tok, pos: model(tok, cache=cache, start_pos=pos)[0][:, -1]
     cuda = torch.device(device).type == "cuda"
@@ -85,8 +85,11 @@ def one_token_step(model, cache, compile, device):
             else [cache.slot_pos] + cache.keys + cache.values
         for t in held:
             torch._dynamo.mark_static_address(t)
+    # the host code that calls the kernels: CUDA graphs on CUDA, C++ on CPU (a batch-1 step
+    # there is ~60 small kernels; a Python call each costs as much: docs/SPEED.md#decoding)
+    how = {"cuda": {"mode": "reduce-overhead"}, "cpu": {"options": {"cpp_wrapper": True}}}
     forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                            mode="reduce-overhead" if cuda else None)
+                            **how.get(torch.device(device).type, {}))
 
     def step(tok, pos):
         if cuda:  # a new replay: the last step's logits (already sampled from) may go

@@ -14,6 +14,8 @@ Tables:
      1, eager and compiled, the 255 steps after the first token) as a fraction of it, float32
      and bfloat16 weights, 1 thread and all threads. Also the compile time, and the number
      of tokens after which compiling has paid for itself (compile s / time saved per token).
+     Per token: the same ratios with one mv timed after each decode step (medians), so that
+     both see the same load: the figure to quote on a shared machine.
   2. Batched sampling: total tokens/s at batch N = 1, 4, 16, 64 (--batches), eager and
      compiled (--threads, default all).
   3. transformers' RoFormerForCausalLM (same dims, its KV cache, greedy) when transformers is
@@ -58,6 +60,25 @@ def mv_time(n_params, width, dtype, reps=20):
         torch.mv(W, v)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def interleaved(model, a, n_params, dtype, compile=False):
+    """Batch-1 decode with one torch.mv over as many weights timed after each token: the
+    median mv over the median step (the decode's fraction of the ceiling, both measured
+    under the same moment's load, which on a shared machine moves each by +-20%)."""
+    W, v = torch.randn(n_params // a.n_embd, a.n_embd).to(dtype), torch.randn(a.n_embd).to(dtype)
+    idx = torch.randint(model.config.vocab_size, (1, a.prompt))
+    stream = generate_stream(model, idx, a.new_tokens, temperature=0, compile=compile)
+    next(stream).tolist()
+    steps, mvs = [], []
+    for _ in range(a.new_tokens - 1):
+        t0 = time.perf_counter()
+        next(stream).tolist()
+        t1 = time.perf_counter()
+        torch.mv(W, v)
+        steps.append(t1 - t0)
+        mvs.append(time.perf_counter() - t1)
+    return statistics.median(mvs) / statistics.median(steps)
 
 
 def decode_rate(model, batch, a, compile=False, use_cache=True, new_tokens=None):
@@ -175,8 +196,9 @@ def ceiling_table(a, n_params, all_threads):
     print(f"\n## 1. batch-1 decode vs the one-pass ceiling (torch.mv over "
           f"{n_params // a.n_embd} x {a.n_embd} weights)")
     print("| weights | threads | ceiling tok/s | eager tok/s | eager/ceiling | compiled tok/s "
-          "| compiled/ceiling | compile s | compile pays after |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| compiled/ceiling | compile s | compile pays after | per token: eager/ceiling "
+          "| compiled/ceiling |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         m = make(a, dtype=dtype)
         for threads in sorted({1, all_threads}):
@@ -195,6 +217,8 @@ def ceiling_table(a, n_params, all_threads):
                 row += f" {comp:.1f} | {comp / ceiling:.2f} | {compile_s:.0f} | {pays} |"
             else:
                 row += " | | | |"
+            row += f" {interleaved(m, a, n_params, dtype):.2f} |"
+            row += f" {interleaved(m, a, n_params, dtype, True):.2f} |" if a.compile else " |"
             print(row, flush=True)
     torch.set_num_threads(all_threads)
 
