@@ -32,7 +32,7 @@ rotates every round), --steps steps each with the first --warmup dropped; median
 ratios to (1) are reported. (2)/(1): RoPE, (3)/(2): train.py's loop. --cpu_clock=True times
 with this process's CPU time instead of the wall clock: at 1 thread, time the machine gives to
 other jobs then does not count.
---whole=True: wall time of `python train.py` for --iters iterations (evaluating at 0,
+--whole=True: wall and CPU time of `python train.py` for --iters iterations (evaluating at 0,
 --eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
 them) against `python bench/train_speed.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
 the same evaluations and checkpoint writes; alternated over --rounds rounds.
@@ -45,6 +45,7 @@ reach nanoGPT's final held-out loss on nanoGPT's shakespeare_char CPU recipe
 import contextlib
 import json
 import os
+import resource
 import runpy
 import signal
 import statistics
@@ -184,7 +185,7 @@ def overhead(threads):
 
 def whole(threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    walls = {"train.py": [], "plain": []}
+    walls, cpus = {"train.py": [], "plain": []}, {"train.py": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         make_random_data(tmp)
         cmds = {"train.py": [sys.executable, os.path.join(here, "train.py")] + train_py_argv(
@@ -195,19 +196,34 @@ def whole(threads):
                           f"--eval_iters={args['eval_iters']}"]}
         for r in range(args["rounds"]):
             for k in (("train.py", "plain") if r % 2 else ("plain", "train.py")):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), children_cpu()
                 res = subprocess.run(cmds[k], env=env, capture_output=True, text=True, cwd=here)
                 if res.returncode:
                     sys.exit(f"error: {k} failed: {res.stderr[-2000:]}")
                 walls[k].append(time.perf_counter() - t0)
-    t, p = statistics.median(walls["train.py"]), statistics.median(walls["plain"])
+                cpus[k].append(children_cpu() - c0)
     print(f"\nthe whole command, {args['iters']} iterations at nanoGPT's CPU recipe, evaluations "
           f"at 0, {args['eval_interval']} and {args['iters']} ({args['eval_iters']} batches per "
-          f"split), {threads} thread(s), {args['rounds']} alternated rounds")
-    print("| command | wall s (median) | per round | vs plain |")
-    print("|---|---:|---|---:|")
-    for k, med in (("plain", p), ("train.py", t)):
-        print(f"| {k} | {med:.2f} | {', '.join(f'{x:.2f}' for x in walls[k])} | {med / p:.3f} |")
+          f"split), {threads} thread(s), {args['rounds']} alternated rounds; CPU s: the "
+          "process's user + system time, which at 1 thread other jobs on the machine move less")
+    print("| command | wall s (median) | per round | vs plain | CPU s (median) | per round "
+          "| vs plain |")
+    print("|---|---:|---|---:|---:|---|---:|")
+    for k in ("plain", "train.py"):
+        row = f"| {k} |"
+        for xs in (walls, cpus):
+            med, base = statistics.median(xs[k]), statistics.median(xs["plain"])
+            row += f" {med:.2f} | {', '.join(f'{x:.2f}' for x in xs[k])} | {med / base:.3f} |"
+        print(row)
+    for name, xs in (("wall", walls), ("CPU", cpus)):  # paired: a load that drifts between
+        pairs = [t / p for t, p in zip(xs["train.py"], xs["plain"])]  # rounds hits both alike
+        print(f"train.py / plain, {name} time, per round: {', '.join(f'{x:.3f}' for x in pairs)}"
+              f" (median {statistics.median(pairs):.3f})")
+
+
+def children_cpu():  # seconds of CPU (user + system) used by this process's finished children
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 def profile(threads):
