@@ -79,17 +79,17 @@ def one_token_step(model, cache, compile, device):
     cache preallocated), its host code CUDA graphs or C++."""
     if not compile:
         return lambda tok, pos: model(tok, cache=cache, start_pos=pos)[0][:, -1]
-    cuda = torch.device(device).type == "cuda"
+    kind = torch.device(device).type
+    cuda = kind == "cuda"
     if cuda:  # CUDA graphs replay fixed addresses: the caches are written in place
         held = [t for pair in cache.state for t in pair] if isinstance(cache, RecurrentState) \
             else [cache.slot_pos] + cache.keys + cache.values
         for t in held:
             torch._dynamo.mark_static_address(t)
-    # the host code that calls the kernels: CUDA graphs on CUDA, C++ on CPU (a batch-1 step
-    # there is ~60 small kernels; a Python call each costs as much: docs/SPEED.md#decoding)
+    # the host code that calls the kernels: CUDA graphs on CUDA; C++ on CPU, where a batch-1
+    # step is many small kernel calls, each cheaper from C++ (docs/SPEED.md#decoding)
     how = {"cuda": {"mode": "reduce-overhead"}, "cpu": {"options": {"cpp_wrapper": True}}}
-    forward = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                            **how.get(torch.device(device).type, {}))
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False, **how.get(kind, {}))
 
     def step(tok, pos):
         if cuda:  # a new replay: the last step's logits (already sampled from) may go
