@@ -6,6 +6,8 @@ context window, sampling, and the tokens streamed as text (TextStream).
     from decode import generate
     out = generate(model, idx, max_new_tokens=100, temperature=0.8, top_k=200)
 """
+import sys
+
 import torch
 
 from caches import RecurrentState
@@ -86,9 +88,12 @@ def one_token_step(model, cache, compile, device):
             else [cache.slot_pos] + cache.keys + cache.values
         for t in held:
             torch._dynamo.mark_static_address(t)
-    # the host code that calls the kernels: CUDA graphs on CUDA; C++ on CPU, where a batch-1
-    # step is many small kernel calls, each cheaper from C++ (docs/SPEED.md#decoding)
-    how = {"cuda": {"mode": "reduce-overhead"}, "cpu": {"options": {"cpp_wrapper": True}}}
+    # the host code that calls the kernels: CUDA graphs on CUDA; C++ on a Linux CPU, where a
+    # batch-1 step is many small kernel calls, each cheaper from C++ (docs/SPEED.md#decoding;
+    # torch's own tests leave the C++ host code out on macOS, so there it stays Python)
+    how = {"cuda": {"mode": "reduce-overhead"}}
+    if sys.platform == "linux":
+        how["cpu"] = {"options": {"cpp_wrapper": True}}
     forward = torch.compile(model.forward, fullgraph=True, dynamic=False, **how.get(kind, {}))
 
     def step(tok, pos):
