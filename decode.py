@@ -78,7 +78,7 @@ def one_token_step(model, cache, compile, device):
     """The function called per token once the prefill has allocated every cache tensor:
     (B, 1) tokens and a (1,) position tensor -> (B, V) logits. Eager, the model's forward;
     compiled, the same forward traced once into a static graph (the position is data, the
-    cache preallocated), its host code CUDA graphs or C++."""
+    cache preallocated), its host code CUDA graphs on CUDA, C++ on a Linux CPU."""
     if not compile:
         return lambda tok, pos: model(tok, cache=cache, start_pos=pos)[0][:, -1]
     kind = torch.device(device).type
