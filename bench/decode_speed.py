@@ -48,11 +48,9 @@ def make(a, attention="softmax", dtype=torch.float32, **designs):
     return RoFormer(cfg).eval().to(dtype)
 
 
-def mv_time(n_params, width, dtype, reps=20):
-    """Median seconds of one torch.mv over a (n_params/width, width) matrix: one pass over as
-    many weights as the model has."""
-    W = torch.randn(n_params // width, width).to(dtype)
-    v = torch.randn(width).to(dtype)
+def mv_time(W, v, reps=20):
+    """Median seconds of one torch.mv(W, v): W a (params/width, width) matrix, one pass over
+    as many weights as the model has."""
     torch.mv(W, v)
     ts = []
     for _ in range(reps):
@@ -62,11 +60,10 @@ def mv_time(n_params, width, dtype, reps=20):
     return statistics.median(ts)
 
 
-def interleaved(model, a, n_params, dtype, compile=False):
-    """Batch-1 decode with one torch.mv over as many weights timed after each token: the
-    median mv over the median step (the decode's fraction of the ceiling, both measured
-    under the same moment's load, which on a shared machine moves each by +-20%)."""
-    W, v = torch.randn(n_params // a.n_embd, a.n_embd).to(dtype), torch.randn(a.n_embd).to(dtype)
+def interleaved(model, a, W, v, compile=False):
+    """Batch-1 decode with one torch.mv(W, v) timed after each token: the median mv over the
+    median step (the decode's fraction of the ceiling, both measured under the same moment's
+    load, which on a shared machine moves each by +-20%)."""
     idx = torch.randint(model.config.vocab_size, (1, a.prompt))
     stream = generate_stream(model, idx, a.new_tokens, temperature=0, compile=compile)
     next(stream).tolist()
@@ -201,14 +198,16 @@ def ceiling_table(a, n_params, all_threads):
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
         m = make(a, dtype=dtype)
+        W = torch.randn(n_params // a.n_embd, a.n_embd).to(dtype)  # the ceiling's weights
+        v = torch.randn(a.n_embd).to(dtype)
         for threads in sorted({1, all_threads}):
             torch.set_num_threads(threads)
-            before = mv_time(n_params, a.n_embd, dtype)
+            before = mv_time(W, v)
             eager, _ = best_rate(m, 1, a)
             if a.compile:
                 torch._dynamo.reset()  # compiled kernels are built for a thread count
                 comp, compile_s = best_rate(m, 1, a, compile=True)
-            ceiling = 2 / (before + mv_time(n_params, a.n_embd, dtype))
+            ceiling = 2 / (before + mv_time(W, v))
             row = (f"| {str(dtype)[6:]} | {threads} | {ceiling:.0f} | {eager:.1f} | "
                    f"{eager / ceiling:.2f} |")
             if a.compile:
@@ -217,8 +216,8 @@ def ceiling_table(a, n_params, all_threads):
                 row += f" {comp:.1f} | {comp / ceiling:.2f} | {compile_s:.0f} | {pays} |"
             else:
                 row += " | | | |"
-            row += f" {interleaved(m, a, n_params, dtype):.2f} |"
-            row += f" {interleaved(m, a, n_params, dtype, True):.2f} |" if a.compile else " |"
+            row += f" {interleaved(m, a, W, v):.2f} |"
+            row += f" {interleaved(m, a, W, v, True):.2f} |" if a.compile else " |"
             print(row, flush=True)
     torch.set_num_threads(all_threads)
 
