@@ -62,11 +62,13 @@ MAPPED_FIELDS = {
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
     "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
     "rope_pairs": ("adjacent", "half"),  # adjacent pairs: q and k rows reordered (formats/hf.py)
+    "qk_norm": (False,),
 }
 NOT_MAPPED = {  # why a value is refused, for the refusal
     "nope_every": "GPT-NeoX rotates positions in every layer",
     "window": "GPT-NeoX attends to the whole context in every layer",
-    "length_temperature": "GPT-NeoX does not scale queries past the trained context"}
+    "length_temperature": "GPT-NeoX does not scale queries past the trained context",
+    "qk_norm": "GPT-NeoX has no norm on queries and keys"}
 
 
 def config_refusal(c, kind):

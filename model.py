@@ -50,6 +50,7 @@ class RoFormerConfig:
     local_rope_base: float = 0.0  # local layers' RoPE base, unscaled (0: rope_base)
     length_temperature: float = 0.0  # q x 1 + this ln(max(1, (pos+1) / original_context))
     tie_embeddings: bool = True   # the output head is wte's weight; False: a matrix of its own
+    qk_norm: bool = False         # softmax: q and k at RMS 1 before the turn (no export maps it)
 
     @property
     def original_context(self):  # a fine-tune at a longer block keeps it: no compounding
@@ -221,6 +222,7 @@ class Attention(nn.Module):
 
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
+        qk = F.rms_norm(qk, (self.head_dim,)) if self.cfg.qk_norm else qk  # no gain: docs/LOG.md
         rope = self.rope(positions)
         q, k = apply_rope(qk, *rope, self.cfg.rope_pairs) if rope else qk  # v: not rotated
         v = v.squeeze(0)
@@ -247,8 +249,7 @@ class Attention(nn.Module):
                                          self.cfg.feature_map, self.cfg.linear_chunk,
                                          None if cache is None else cache.state[self.layer],
                                          pairs=self.cfg.rope_pairs)
-            if self.cfg.linear_norm:
-                y = F.rms_norm(y, (y.size(-1),))
+            y = F.rms_norm(y, (y.size(-1),)) if self.cfg.linear_norm else y
         if cache is not None:
             cache.update(self.layer, S, z)
         return y.to(v.dtype)
@@ -373,10 +374,9 @@ class RoFormer(nn.Module):
         for block in self.blocks:
             x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                                       targets.reshape(-1), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
 
     def designs(self, positions, cache):  # the position designs' parts of Positions
         c, r, pos = self.config, self.config.rotary_dim, positions.pos

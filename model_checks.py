@@ -40,6 +40,8 @@ def check_config(cfg):
          " the base to the power d/(d-2) of the factor: "
          f"{'head' if cfg.rotary_dim == hd else 'rotary'} dim {cfg.rotary_dim} must be above 2"),
         (not 0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}"),
+        (cfg.qk_norm and cfg.attention == "linear", "qk_norm=True normalises the queries and "
+         "keys of softmax attention: attention='linear' feeds them to its feature map unchanged"),
         (not (1.0 < cfg.rope_base < math.inf and 1.0 <= cfg.rope_factor < math.inf),
          f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
          f"{cfg.rope_base} and {cfg.rope_factor}"),

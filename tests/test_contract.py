@@ -253,7 +253,7 @@ def rotated(x, pos, base, adjacent):
 def check_rope_rotation(cfg, model_factory=RoFormer):
     """Plain RoPE (the default position design): the q and k every layer hands to
     F.scaled_dot_product_attention are c_attn's q and k (channels [q | k | v], heads of d in
-    order) rotated by the paper's angles m theta_i, theta_i = rope_base^(-2i/d), in every head,
+    order; with qk_norm, each divided by its RMS first) rotated by the paper's angles m theta_i, theta_i = rope_base^(-2i/d), in every head,
     at positions from 0 and from 1000, against a float64 rotation written pair by pair (either
     pairing convention). A wrong angle in some heads keeps every other property here."""
     plain = dict(pos_encoding="rope", attention="softmax", rope_scaling="none",
@@ -284,6 +284,8 @@ def check_rope_rotation(cfg, model_factory=RoFormer):
             for layer, (qkv, (q, k)) in enumerate(zip(inputs, seen)):
                 B, T, _ = qkv.shape
                 want = qkv.double().view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)[:2]
+                if getattr(cfg, "qk_norm", False):  # turned after the norm: RMS 1 (eps as torch's)
+                    want = want / (want.pow(2).mean(-1, keepdim=True) + 2.0 ** -23).sqrt()
                 got = torch.stack((q, k)).double()
                 err = min(((got - rotated(want, pos, cfg.rope_base, adj)).abs().amax((0, 1, 3, 4))
                            for adj in (False, True)), key=lambda e: e.max()) / want.abs().max()

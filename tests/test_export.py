@@ -352,7 +352,8 @@ def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
                                            ({"nope_every": 2}, "nope_every=2"),
                                            ({"window": 4, "global_every": 2}, "window=4"),
                                            ({"length_temperature": 0.1},
-                                            "length_temperature=0.1")])
+                                            "length_temperature=0.1"),
+                                           ({"qk_norm": True}, "no norm on queries and keys")])
 def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
     model = RoFormer(RoFormerConfig(**args))

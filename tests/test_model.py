@@ -76,6 +76,8 @@ def reference_forward(model, idx, window=None):
         qkv = lin(ln(x, p + "ln_1"), p + "attn.c_attn").view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
         q, k, v = qkv
         if c.attention == "softmax":
+            if getattr(c, "qk_norm", False):  # each head's query and key over its float64 RMS
+                q, k = (t / t.pow(2).mean(-1, keepdim=True).sqrt() for t in (q, k))
             if c.pos_encoding == "rope":
                 q, k = rot(q), rot(k)
             att = (q @ k.transpose(-1, -2)) / math.sqrt(D)
@@ -324,6 +326,22 @@ def test_forward_matches_reference(attention, fmap, pos_encoding):
     idx = torch.randint(0, 61, (2, 16))
     got = m(idx)[0].double()
     assert torch.allclose(got, reference_forward(m, idx), atol=1e-4), PINNED
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "learned", "none"])
+def test_qk_norm_matches_reference_and_its_cache(pos_encoding):
+    """qk_norm=True: every head's query and key divided by its RMS before RoPE turns it, as the
+    float64 reference does; it changes the model (at init q and k are far from RMS 1), and the
+    cached step gives the uncached logits."""
+    m = tiny(qk_norm=True, pos_encoding=pos_encoding)
+    idx = torch.randint(0, 61, (2, 16))
+    got = m(idx)[0].double()
+    assert torch.allclose(got, reference_forward(m, idx), atol=1e-4)
+    assert not torch.allclose(got, tiny(pos_encoding=pos_encoding)(idx)[0].double(), atol=1e-3)
+    want = torch.stack([m(idx[:, :t + 1])[0][:, -1] for t in range(16)], dim=1)
+    assert torch.allclose(cached_logits(m, idx, split=5), want, atol=1e-5)
+    with pytest.raises(ValueError, match="qk_norm=True normalises .* attention='linear'"):
+        RoFormerConfig(qk_norm=True, attention="linear")
 
 
 @pytest.mark.parametrize("attention,fmap", KINDS)
