@@ -21,7 +21,9 @@ during the run does not bias it. --ours_iters=N (default 0: nanoGPT's schedule) 
 runs a schedule of their own, as the recipe allows: N iterations, warmup --ours_warmup, then
 cosine, or with --ours_cooldown=F train.py's trapezoid (the peak held, then linear to lr/10
 over the last F of the decay), and --ours_lr its AdamW rate (default the recipe's; with Muon,
-the rate of the embeddings, head and norms); nanoGPT's run keeps its recipe, and sets the target.
+the rate of the embeddings, head and norms); --ours_qk_norm=True builds our model with
+qk_norm (model.py: q and k at RMS 1; no export maps it). nanoGPT's run keeps its recipe, and
+sets the target.
 """
 import math
 import os
@@ -41,12 +43,13 @@ RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, voc
 LR, WEIGHT_DECAY, BETAS, WARMUP = 1e-3, 0.1, (0.9, 0.99), 100
 
 
-def recipe_model(pos, vocab_size=RECIPE["vocab_size"]):
+def recipe_model(pos, vocab_size=RECIPE["vocab_size"], **options):
     """nanoGPT's CPU shape as our RoFormer. pos="learned" is the nanoGPT-equivalent model:
-    learned positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head."""
+    learned positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head.
+    options: other RoFormerConfig fields (the race's --ours_qk_norm)."""
     shape = dict(RECIPE, vocab_size=vocab_size)
     del shape["batch_size"]
-    return RoFormer(RoFormerConfig(pos_encoding=pos, bias=False, dropout=0.0, **shape))
+    return RoFormer(RoFormerConfig(pos_encoding=pos, bias=False, dropout=0.0, **shape, **options))
 
 
 def plain_model(pos):
@@ -160,7 +163,7 @@ class TargetRun:
             self.model = recipe_model("learned", vocab_size)
             self.opt = plain_optimizer(self.model)
         else:
-            self.model = recipe_model("rope", vocab_size)
+            self.model = recipe_model("rope", vocab_size, qk_norm=args.get("ours_qk_norm", False))
             rate = args.get("ours_lr") or LR  # AdamW's part: all of it, or Muon's non-matrices
             self.opt = build_optimizer(self.model, rate, WEIGHT_DECAY, BETAS, "cpu",
                                        name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
@@ -202,6 +205,7 @@ class TargetRun:
 def ours_schedule(args):
     """Ours' recipe in words, for the table's heading."""
     rate = f"AdamW's rate {args.get('ours_lr') or LR:g}"
+    rate += ", qk_norm" if args.get("ours_qk_norm") else ""
     if not args.get("ours_iters"):
         return f"ours on nanoGPT's schedule, {rate}"
     decay = (f"flat, then linear over the last {args['ours_cooldown']:g} of the decay"

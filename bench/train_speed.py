@@ -74,7 +74,7 @@ defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": Tr
             "text": "data/shakespeare/input.txt", "text_chars": 1_115_394, "target_iters": 2000,
             "target_eval": 25, "target_batches": 20, "muon_lr": 0.02, "seed": 1337,
             "ours_iters": 0, "ours_warmup": 100, "ours_cooldown": 0.0, "ours_lr": 0.0,
-            "cpu_clock": False}
+            "ours_qk_norm": False, "cpu_clock": False}
 try:
     args = configure(defaults, sys.argv[1:])
 except UserError as e:

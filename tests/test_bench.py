@@ -120,6 +120,19 @@ def test_ours_own_schedule_is_the_trapezoid_written_out(monkeypatch):
     assert max(abs(a - (it + 1) / 101) for it, a in enumerate(seen["base"])) < 1e-12
 
 
+def test_ours_qk_norm_builds_our_runs_only(monkeypatch):
+    """--ours_qk_norm=True: both of our runs build the model with qk_norm (model.py's option,
+    checked against the float64 reference in tests/test_model.py), nanoGPT's keeps its recipe,
+    and the table's heading names it."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import nanogpt_recipe as recipe
+    args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_qk_norm": True}
+    kinds = ("nanoGPT, AdamW", "ours, Muon", "ours, AdamW")
+    assert [recipe.TargetRun(k, 65, args).model.config.qk_norm for k in kinds] == [False, True, True]
+    assert "qk_norm" in recipe.ours_schedule(args)
+    assert "qk_norm" not in recipe.ours_schedule(dict(args, ours_qk_norm=False))
+
+
 def load_gpu_speed(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import gpu_speed
