@@ -172,6 +172,15 @@ def worktree_code(out):
     return materialise(os.path.join(out, "code", "tree-" + h.hexdigest()[:12]), copy)
 
 
+def content(root, name):
+    """The bytes of root/name, None if there is no such file."""
+    path = os.path.join(root, name)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            return f.read()
+    return None
+
+
 def patched_code(out, base_code, patch):
     """base_code with `patch` applied; a patch that does not apply is a UserError (its arm
     only)."""
@@ -185,10 +194,17 @@ def patched_code(out, base_code, patch):
 
     def fill(d):
         shutil.copytree(base_code, d, dirs_exist_ok=True)
-        r = subprocess.run(["git", "apply", path], cwd=d, capture_output=True, text=True)
-        if r.returncode:
+        # Inside another repository (an --out in a checkout, as the default is) git apply
+        # reads the patch's paths from that repository's root, skips them all and exits 0:
+        # a patch arm that silently runs the base. So git looks no higher than the copy.
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(os.path.abspath(d)))
+        apply = lambda *a: subprocess.run(["git", "apply", *a, path], cwd=d, env=env,  # noqa
+                                          capture_output=True, text=True)
+        names = [line.split("\t")[-1] for line in apply("--numstat").stdout.splitlines()]
+        r = apply()
+        if r.returncode or all(content(d, n) == content(base_code, n) for n in names):
             shutil.rmtree(d, ignore_errors=True)
-            why = (r.stderr.strip().splitlines() or ["git apply failed"])[-1]
+            why = (r.stderr.strip().splitlines() or ["git apply changed no file"])[-1]
             raise UserError(f"the patch {patch} does not apply: {why}")
     return materialise(os.path.join(out, "code", name), fill)
 

@@ -188,6 +188,31 @@ def test_the_logged_patches_still_apply_to_this_tree(patch, tmp_path):
     assert r.returncode == 0 and math.isfinite(float(r.stdout)), r.stderr[-500:]
 
 
+def test_a_patch_arm_is_patched_when_out_lies_inside_a_checkout(tmp_path):
+    """compare's default --out (bench/results/compare) lies inside the repository: git apply
+    run in a code copy there took the patch's paths from the checkout's root, skipped them all
+    and exited 0, so a patch arm trained the base's code (found in issue 46's lab). Reference:
+    the file reads as the patch writes it, in a copy under a git repository's folder; a patch
+    that changes nothing is refused, not run as an arm."""
+    import lab_runs
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    base = tmp_path / "out" / "code" / "tree-base"
+    base.mkdir(parents=True)
+    (base / "model.py").write_text("x = 1\n")
+    head = "diff --git a/model.py b/model.py\n--- a/model.py\n+++ b/model.py\n@@ -1 +1 @@\n"
+    patch = tmp_path / "two.patch"
+    patch.write_text(head + "-x = 1\n+x = 2\n")
+    code = lab_runs.patched_code(str(tmp_path / "out"), str(base), str(patch))
+    assert open(os.path.join(code, "model.py")).read() == "x = 2\n"
+    assert (base / "model.py").read_text() == "x = 1\n"
+    same = tmp_path / "same.patch"
+    same.write_text(head + "-x = 1\n+x = 1\n")
+    with pytest.raises(compare.UserError, match="same.patch does not apply: git apply changed no"):
+        lab_runs.patched_code(str(tmp_path / "out"), str(base), str(same))
+    left = sorted(os.listdir(tmp_path / "out" / "code"))  # nothing of the refused arm
+    assert left == sorted(["tree-base", os.path.basename(code)])
+
+
 # ----------------------------------------------------------------------------------------
 # the lab reports only what it measured (issue 45): keys, names, refusals, progress
 
