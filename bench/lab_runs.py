@@ -198,10 +198,9 @@ def patched_code(out, base_code, patch):
         # reads the patch's paths from that repository's root, skips them all and exits 0:
         # a patch arm that silently runs the base. So git looks no higher than the copy.
         env = dict(os.environ, GIT_CEILING_DIRECTORIES=os.path.dirname(os.path.abspath(d)))
-        apply = lambda *a: subprocess.run(["git", "apply", *a, path], cwd=d, env=env,  # noqa
-                                          capture_output=True, text=True)
-        names = [line.split("\t")[-1] for line in apply("--numstat").stdout.splitlines()]
-        r = apply()
+        r = subprocess.run(["git", "apply", "--numstat", "--apply", path], cwd=d, env=env,
+                           capture_output=True, text=True)  # the files it names, and applied
+        names = [line.split("\t")[-1] for line in r.stdout.splitlines()]
         if r.returncode or all(content(d, n) == content(base_code, n) for n in names):
             shutil.rmtree(d, ignore_errors=True)
             why = (r.stderr.strip().splitlines() or ["git apply changed no file"])[-1]
