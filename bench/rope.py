@@ -13,8 +13,8 @@ model.py file from another commit), alternated in one process so load changes hi
 c_attn output -> rotation -> causal SDPA, forward + backward, against no rotation: half pairs
 (mul, roll, addcmul), adjacent pairs as one complex product (eager), and adjacent pairs written
 out as sums (what runs under torch.compile; timed here eager and, where a GPU is present,
-compiled). (b) The recipe's whole forward + backward with rope_pairs half and adjacent against
-learned positions (nanoGPT's), same weights, the configurations taking turns. CPU time of
+compiled). (b) The recipe's whole forward + backward with rope_pairs half, adjacent, and adjacent with
+qk_norm against learned positions (nanoGPT's), same weights, the configurations taking turns. CPU time of
 this process (time.process_time) on CPU, so that time stolen by other jobs is not counted; wall
 time with synchronisation on CUDA.
 """
@@ -134,7 +134,8 @@ def pairs_tables(a):
             print(f"| {name} | {t:.0f} | {t - us['no rotation']:+.0f} us |")
     modules = {"learned positions": dict(pos_encoding="learned"),
                "rope_pairs=half": dict(rope_pairs="half"),
-               "rope_pairs=adjacent": dict(rope_pairs="adjacent")}
+               "rope_pairs=adjacent": dict(rope_pairs="adjacent"),
+               "adjacent, qk_norm=True": dict(rope_pairs="adjacent", qk_norm=True)}
     ms = config_step_times(modules, a.rounds, a.iters)
     print(f"\n## (b) cpu: the recipe's forward + backward, ms (median of {a.rounds} rounds x "
           f"{a.iters}, CPU time)\n| positions | ms | vs learned |\n|---|--:|--:|")
