@@ -15,8 +15,8 @@ c_attn output -> rotation -> causal SDPA, forward + backward, against no rotatio
 out as sums (what runs under torch.compile; timed here eager and, where a GPU is present,
 compiled). (b) The recipe's whole forward + backward with rope_pairs half, adjacent, and
 adjacent with qk_norm against learned positions (nanoGPT's), same weights, the configurations
-taking turns. CPU time of this process (time.process_time) on CPU, so that time stolen by other jobs is not counted; wall
-time with synchronisation on CUDA.
+taking turns. CPU time of this process (time.process_time) on CPU, so that time stolen by
+other jobs is not counted; wall time with synchronisation on CUDA.
 """
 import argparse
 import importlib.util
