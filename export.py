@@ -1,6 +1,7 @@
 """
-Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code) or, with
---gguf, as one GGUF file for llama.cpp, ollama and LM Studio (formats/gguf.py).
+Export a trained run as a Hugging Face GPTNeoXForCausalLM folder (no custom code;
+PersimmonForCausalLM for qk_norm=True) or, with --gguf, as one GGUF file for llama.cpp, ollama
+and LM Studio (formats/gguf.py).
 
     python export.py --out_dir=out-small                  # -> out-small/hf
     python export.py --out_dir=out-small --hf_dir=my-model --dtype=bfloat16
@@ -26,8 +27,8 @@ from formats import hf as hf_files, neox
 from harness.common import UserError, cli
 from harness.config import configure
 from harness.files import atomic_write
-from formats.hf import (hf_tokenizer, need, neox_config, neox_weights,  # noqa: F401 (export.*)
-                    sentencepiece_proto, tokenizer_config)
+from formats.hf import (hf_model, hf_tokenizer, need, sentencepiece_proto,  # noqa: F401
+                        tokenizer_config)  # (export.*)
 from harness.load import dataset_dir, load_run
 
 # -----------------------------------------------------------------------------------------
@@ -62,13 +63,12 @@ MAPPED_FIELDS = {
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
     "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
     "rope_pairs": ("adjacent", "half"),  # adjacent pairs: q and k rows reordered (formats/hf.py)
-    "qk_norm": (False,),
+    "qk_norm": (False, True),  # True: the HF export writes Persimmon; GGUF refuses it below
 }
 NOT_MAPPED = {  # why a value is refused, for the refusal
     "nope_every": "GPT-NeoX rotates positions in every layer",
     "window": "GPT-NeoX attends to the whole context in every layer",
-    "length_temperature": "GPT-NeoX does not scale queries past the trained context",
-    "qk_norm": "GPT-NeoX has no norm on queries and keys"}
+    "length_temperature": "GPT-NeoX does not scale queries past the trained context"}
 
 
 def config_refusal(c, kind):
@@ -80,6 +80,11 @@ def config_refusal(c, kind):
         return (f"pos_encoding={c.pos_encoding!r}: GPT-NeoX knows positions only through RoPE, "
                 f"so only pos_encoding='rope' exports (learned positions are not exported as "
                 f"GPT-2 either)")
+    if kind == "gguf" and getattr(c, "qk_norm", False):
+        return ("qk_norm=True: the GGUF export writes llama.cpp's gptneox block, which has no "
+                "norm on queries and keys, and the gguf package has no persimmon architecture; "
+                "the HF export maps it (PersimmonForCausalLM), and a run trained with "
+                "qk_norm=False exports to both")
     fields = dataclasses.fields(c) if dataclasses.is_dataclass(c) else []
     names = [f.name for f in fields] or list(vars(c))
     defaults = {f.name: f.default for f in fields}
@@ -249,14 +254,13 @@ def write_folder(path, files, check=None):
 def export_hf(cfg, model, sp, text):
     path = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
     check_replaceable(path)
-    conf = neox_config(model.config, sp.eos_id(), cfg["dtype"])
+    conf, weights = hf_model(model, sp.eos_id(), cfg["dtype"])
     gen = {"eos_token_id": sp.eos_id(), "pad_token_id": sp.eos_id(), "do_sample": True,
            "temperature": 0.8, "top_k": 200}  # sample.py's defaults
     docs = {"config.json": conf, "generation_config.json": gen,
             "tokenizer_config.json": tokenizer_config(sp, conf["max_position_embeddings"])}
     files = {name: (json.dumps(obj, indent=2) + "\n").encode() for name, obj in docs.items()}
     files["tokenizer.json"] = hf_tokenizer(sp).to_str().encode()
-    weights = neox_weights(model, getattr(torch, cfg["dtype"]))
     files["model.safetensors"] = need("safetensors.torch").save(weights, metadata={"format": "pt"})
 
     def check(folder):
@@ -275,7 +279,7 @@ def export_hf(cfg, model, sp, text):
                     "line above); nothing was written")
         return None
     write_folder(path, files, check)
-    print(f"wrote {path}: GPTNeoXForCausalLM, {model.num_params() / 1e6:.2f}M params "
+    print(f"wrote {path}: {conf['architectures'][0]}, {model.num_params() / 1e6:.2f}M params "
           f"({cfg['dtype']}, {len(files['model.safetensors']) / 1e6:.1f} MB), rope_theta "
           f"{conf['rope_theta']:g}, tokenizer {sp.get_piece_size()} pieces, eos "
           f"{sp.id_to_piece(sp.eos_id())!r}", file=sys.stderr)

@@ -50,7 +50,7 @@ class RoFormerConfig:
     local_rope_base: float = 0.0  # local layers' RoPE base, unscaled (0: rope_base)
     length_temperature: float = 0.0  # q x 1 + this ln(max(1, (pos+1) / original_context))
     tie_embeddings: bool = True   # the output head is wte's weight; False: a matrix of its own
-    qk_norm: bool = False         # softmax: q and k at RMS 1 before the turn (no export maps it)
+    qk_norm: bool = False         # softmax: each head's q and k at mean 0, RMS 1 before the turn
 
     @property
     def original_context(self):  # a fine-tune at a longer block keeps it: no compounding
@@ -222,7 +222,7 @@ class Attention(nn.Module):
 
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
-        qk = F.rms_norm(qk, (self.head_dim,)) if self.cfg.qk_norm else qk  # no gain: docs/LOG.md
+        qk = F.layer_norm(qk, (self.head_dim,)) if self.cfg.qk_norm else qk  # Persimmon's, no gain
         rope = self.rope(positions)
         q, k = apply_rope(qk, *rope, self.cfg.rope_pairs) if rope else qk  # v: not rotated
         v = v.squeeze(0)

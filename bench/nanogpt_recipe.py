@@ -22,8 +22,8 @@ runs a schedule of their own, as the recipe allows: N iterations, warmup --ours_
 cosine, or with --ours_cooldown=F train.py's trapezoid (the peak held, then linear to lr/10
 over the last F of the decay), and --ours_lr its AdamW rate (default the recipe's; with Muon,
 the rate of the embeddings, head and norms); --ours_qk_norm=True builds our model with
-qk_norm (model.py: q and k at RMS 1; no export maps it). nanoGPT's run keeps its recipe, and
-sets the target.
+qk_norm (model.py: q and k at mean 0, RMS 1; exports to HF only). nanoGPT's run keeps its
+recipe, and sets the target.
 """
 import math
 import os

@@ -2,7 +2,9 @@
 A run as a Hugging Face GPTNeoXForCausalLM folder's contents (export.py writes and checks them):
 config.json (`neox_config`), the weights (`neox_weights`), the tokenizer (`hf_tokenizer`,
 `tokenizer_config`), and the folder read back into formats/neox.py's float64 reference
-(`reference_logits`). The mapping in detail: docs/EXPORT.md.
+(`reference_logits`). A model with qk_norm=True is written as PersimmonForCausalLM instead
+(`persimmon`): GPT-NeoX's block with a LayerNorm on each head's query and key. The mapping in
+detail: docs/EXPORT.md.
 """
 import importlib
 import json
@@ -107,6 +109,47 @@ def neox_weights(model, dtype):
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
+PERSIMMON = {"gpt_neox.embed_in": "model.embed_tokens", "embed_out": "lm_head",
+             "gpt_neox.final_layer_norm": "model.final_layernorm",
+             "gpt_neox.layers": "model.layers", "attention.dense": "self_attn.dense",
+             "attention.query_key_value": "self_attn.query_key_value"}  # the rest: GPT-NeoX's
+
+
+def persimmon(conf, weights):
+    """GPT-NeoX's config.json and tensors -> transformers' Persimmon, for qk_norm=True: the same
+    block (sequential residual, per-head [q k v] rows, a partial NeoX turn) with a LayerNorm on
+    each head's query and key before the turn, written with gain 1 and bias 0 (model.py's norm
+    has neither); partial_rotary_factor also at the top, where older readers default it to 0.5."""
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size", "hidden_act", "layer_norm_eps", "tie_word_embeddings",
+            "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+            "attention_dropout", "hidden_dropout", "initializer_range", "use_cache",
+            "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
+    conf = dict({k: conf[k] for k in keep}, architectures=["PersimmonForCausalLM"],
+                model_type="persimmon", qk_layernorm=True,
+                partial_rotary_factor=conf["rope_parameters"]["partial_rotary_factor"])
+    out = {}
+    for key, tensor in weights.items():
+        for a, b in PERSIMMON.items():
+            key = key.replace(a, b)
+        out[key] = tensor
+        if key.endswith("self_attn.dense.weight"):  # once per layer
+            D = conf["hidden_size"] // conf["num_attention_heads"]
+            for norm in ("q_layernorm", "k_layernorm"):
+                name = key.replace("dense.weight", norm)
+                out[name + ".weight"] = torch.ones(D, dtype=tensor.dtype)
+                out[name + ".bias"] = torch.zeros(D, dtype=tensor.dtype)
+    return conf, out
+
+
+def hf_model(model, eos_id, dtype):
+    """(config.json, tensors) of the architecture that computes `model`, weights in `dtype` (a
+    torch dtype's name): GPT-NeoX, or Persimmon when it norms queries and keys."""
+    conf = neox_config(model.config, eos_id, dtype)
+    weights = neox_weights(model, getattr(torch, dtype))
+    return persimmon(conf, weights) if getattr(model.config, "qk_norm", False) else (conf, weights)
+
+
 # --- the tokenizer -----------------------------------------------------------------------
 
 def sentencepiece_proto(sp):
@@ -181,11 +224,18 @@ def tokenizer_config(sp, context):
 
 NAMES = {"ln1": "input_layernorm", "qkv": "attention.query_key_value", "out": "attention.dense",
          "ln2": "post_attention_layernorm", "up": "mlp.dense_h_to_4h", "down": "mlp.dense_4h_to_h"}
+NEOX_NAMES = {"embed": "gpt_neox.embed_in", "head": "embed_out",
+              "final_norm": "gpt_neox.final_layer_norm", "layer": "gpt_neox.layers", **NAMES}
+PERSIMMON_NAMES = {"embed": "model.embed_tokens", "head": "lm_head", "layer": "model.layers",
+                   "final_norm": "model.final_layernorm", **NAMES,
+                   "qkv": "self_attn.query_key_value", "out": "self_attn.dense",
+                   "qnorm": "self_attn.q_layernorm", "knorm": "self_attn.k_layernorm"}
 
 
 def reference_logits(folder, ids):
     """formats/neox.py's forward of the folder as transformers reads it: config.json's fields
-    (rope_parameters as transformers 5 reads them) and model.safetensors' tensors."""
+    (rope_parameters as transformers 5 reads them) and model.safetensors' tensors, by the names
+    of its model_type (gpt_neox, or persimmon: q and k through their LayerNorms)."""
     with open(os.path.join(folder, "config.json")) as f:
         conf = json.load(f)
     state = need("safetensors.torch").load_file(os.path.join(folder, "model.safetensors"))
@@ -200,18 +250,20 @@ def reference_logits(folder, ids):
             rope.get("beta_fast", 32.0), rope.get("beta_slow", 1.0)) if kind == "yarn" else None
     rot = int(head * rope.get("partial_rotary_factor", 1.0))
 
+    qk_norm = conf["model_type"] == "persimmon" and conf["qk_layernorm"]
+    names = PERSIMMON_NAMES if conf["model_type"] == "persimmon" else NEOX_NAMES
+
     def W(name):
-        if name in ("embed", "head"):  # a reader that does not tie reads embed_out
-            key = "embed_out" if name == "head" and not conf["tie_word_embeddings"] else \
-                "gpt_neox.embed_in"
-            return state[key + ".weight"].double()
+        if name in ("embed", "head"):  # a reader that ties reads the embedding for the head
+            name = "head" if name == "head" and not conf["tie_word_embeddings"] else "embed"
+            return state[names[name] + ".weight"].double()
         if name.startswith("final_norm."):
-            return state["gpt_neox.final_layer_norm." + name.split(".")[1]].double()
+            return state[names["final_norm"] + "." + name.split(".")[1]].double()
         i, part, which = name.split(".")
-        return state[f"gpt_neox.layers.{i}.{NAMES[part]}.{which}"].double()
+        return state[f"{names['layer']}.{i}.{names[part]}.{which}"].double()
 
     def rotate(x):
         return neox.rope(x, rope["rope_theta"], 1 / factor if kind != "default" else 1.0, yarn, rot)
     return neox.forward(W, ids, conf["num_hidden_layers"], conf["num_attention_heads"],
                         conf["layer_norm_eps"], rotate, heads_first=True,
-                        parallel=conf["use_parallel_residual"])
+                        parallel=conf.get("use_parallel_residual", False), qk_norm=qk_norm)

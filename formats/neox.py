@@ -43,11 +43,12 @@ def layer_norm(x, weight, bias, eps):
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
-def forward(W, ids, n_layer, n_head, eps, rotate, heads_first, parallel):
+def forward(W, ids, n_layer, n_head, eps, rotate, heads_first, parallel, qk_norm=False):
     """Logits (T, vocab) of ids (T,). W(name) is a float64 tensor in (out, in) order, named
     embed, head, final_norm.{weight,bias} and per layer i.{ln1,qkv,out,ln2,up,down}.{weight,bias};
     rotate(x) ropes q and k; heads_first: qkv's rows are per head [q k v] (transformers' layout)
-    rather than [q | k | v] (llama.cpp's); parallel: x + attn(ln1 x) + mlp(ln2 x)."""
+    rather than [q | k | v] (llama.cpp's); parallel: x + attn(ln1 x) + mlp(ln2 x); qk_norm
+    (Persimmon): each head's q and k through LayerNorms i.{qnorm,knorm} before the turn."""
     x = W("embed")[ids]
     T, C = x.shape
     D = C // n_head
@@ -61,7 +62,10 @@ def forward(W, ids, n_layer, n_head, eps, rotate, heads_first, parallel):
         qkv = lin(norm(x, "ln1"), "qkv")
         qkv = qkv.view(T, n_head, 3, D).transpose(1, 2) if heads_first else \
             qkv.view(T, 3, n_head, D)
-        q, k, v = rotate(qkv[:, 0]), rotate(qkv[:, 1]), qkv[:, 2]
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        if qk_norm:  # over each head's channels, its own gain and bias
+            q, k = norm(q, "qnorm"), norm(k, "knorm")
+        q, k = rotate(q), rotate(k)
         scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D) + causal
         attn = lin(torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, C), "out")
         h = lin(norm(x if parallel else x + attn, "ln2"), "up")

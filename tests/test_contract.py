@@ -253,9 +253,10 @@ def rotated(x, pos, base, adjacent):
 def check_rope_rotation(cfg, model_factory=RoFormer):
     """Plain RoPE (the default position design): the q and k every layer hands to
     F.scaled_dot_product_attention are c_attn's q and k (channels [q | k | v], heads of d in
-    order; with qk_norm, each divided by its RMS first) rotated by the paper's angles m theta_i, theta_i = rope_base^(-2i/d), in every head,
-    at positions from 0 and from 1000, against a float64 rotation written pair by pair (either
-    pairing convention). A wrong angle in some heads keeps every other property here."""
+    order; with qk_norm, each at mean 0 and RMS 1 first) rotated by the paper's angles m theta_i,
+    theta_i = rope_base^(-2i/d), in every head, at positions from 0 and from 1000, against a
+    float64 rotation written pair by pair (either pairing convention). A wrong angle in some heads
+    keeps every other property here."""
     plain = dict(pos_encoding="rope", attention="softmax", rope_scaling="none",
                  rotary_fraction=1.0, nope_every=0, window=0, length_temperature=0.0)
     changed = [k for k, v in plain.items() if getattr(cfg, k, v) != v]
@@ -284,8 +285,9 @@ def check_rope_rotation(cfg, model_factory=RoFormer):
             for layer, (qkv, (q, k)) in enumerate(zip(inputs, seen)):
                 B, T, _ = qkv.shape
                 want = qkv.double().view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)[:2]
-                if getattr(cfg, "qk_norm", False):  # turned after the norm: RMS 1 (eps as torch's)
-                    want = want / (want.pow(2).mean(-1, keepdim=True) + 2.0 ** -23).sqrt()
+                if getattr(cfg, "qk_norm", False):  # turned after the norm: LayerNorm, eps 1e-5
+                    want = want - want.mean(-1, keepdim=True)
+                    want = want / (want.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
                 got = torch.stack((q, k)).double()
                 err = min(((got - rotated(want, pos, cfg.rope_base, adj)).abs().amax((0, 1, 3, 4))
                            for adj in (False, True)), key=lambda e: e.max()) / want.abs().max()
@@ -636,8 +638,8 @@ def export_hf(model, model_factory, folder, idx):
     st = pytest.importorskip("safetensors.torch", reason="the HF export writes safetensors")
     transformers = pytest.importorskip("transformers", reason="the HF export is checked by "
                                        "loading it with transformers")
-    conf = export.neox_config(model.config, 0, "float32")
-    weights = st.save(export.neox_weights(model, torch.float32), metadata={"format": "pt"})
+    conf, weights = export.hf_model(model, 0, "float32")  # GPT-NeoX, or Persimmon (qk_norm)
+    weights = st.save(weights, metadata={"format": "pt"})
     path = str(folder / "hf")
     export.write_folder(path, {"config.json": json.dumps(conf).encode(),
                                "model.safetensors": weights})

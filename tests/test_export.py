@@ -30,6 +30,7 @@ transformers = pytest.importorskip("transformers", reason="the exported folder i
                                    "loading it with transformers")
 import eval as evalpy  # noqa: E402
 import export  # noqa: E402
+from formats import hf as hf_files  # noqa: E402
 from data.tokenizer import train_tokenizer  # noqa: E402
 import decode as decoding  # noqa: E402
 from harness import load as loader  # noqa: E402
@@ -193,6 +194,56 @@ def test_both_pairings_export_and_the_other_pairing_would_not_match(run, tmp_pat
     assert max_logit_diff(other, hf) > 1e-2
 
 
+@pytest.mark.parametrize("extra", [
+    {}, {"rotary_fraction": 0.5, "bias": True, "tie_embeddings": False},
+    {"rope_pairs": "half", "rope_scaling": "yarn", "rope_factor": 4.0, "rope_original": 16}])
+def test_qk_norm_exports_as_persimmon_and_without_its_norms_would_not_match(run, tmp_path, extra):
+    """qk_norm=True (each head's q and k at mean 0, RMS 1 before the turn) is transformers'
+    PersimmonForCausalLM with qk_layernorm: its logits are ours over the window and greedy
+    decoding gives the same 32 tokens, with partial rotary, biases, an untied head and yarn too;
+    the same weights without the norm are another model, and so is the folder without its
+    q/k LayerNorms (read as GPT-NeoX by formats/neox.py's reference)."""
+    args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, qk_norm=True, **extra)
+    model, out, hf = sharp_export(run, tmp_path, args)
+    assert type(hf).__name__ == "PersimmonForCausalLM" and hf.config.qk_layernorm
+    assert max_logit_diff(model, hf) < 1e-4
+    plain = RoFormer(RoFormerConfig(**dict(args, qk_norm=False))).eval()
+    plain.load_state_dict(model.state_dict())
+    assert max_logit_diff(plain, hf) > 1e-2
+    prompt = torch.randint(0, args["vocab_size"], (2, 16),
+                           generator=torch.Generator().manual_seed(2))
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None,
+                         pad_token_id=run["sp"].eos_id())
+    assert torch.equal(decoding.generate(model, prompt, 32, temperature=0), theirs)
+    folder = os.path.join(out, "hf")
+    assert export.reference_check(folder, hf_files.reference_logits, model, "the folder") is None
+    with open(os.path.join(folder, "config.json")) as f:
+        conf = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(conf, qk_layernorm=False), f)  # the norms in the file, not computed
+    assert "is not this model" in export.reference_check(folder, hf_files.reference_logits,
+                                                         model, "the folder")
+
+
+def test_a_qk_norm_model_written_as_gpt_neox_is_refused_without_transformers(run, tmp_path,
+                                                                             monkeypatch):
+    """The Persimmon mapping left out (the folder written as GPT-NeoX, as before it), with
+    nothing to load the folder: formats/neox.py's reference computes it without the q/k norms
+    and disagrees; one line, nothing left."""
+    monkeypatch.setattr(export, "hf_model", lambda model, eos, dtype: (
+        hf_files.neox_config(model.config, eos, dtype),
+        hf_files.neox_weights(model, getattr(torch, dtype))))
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformers"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    args = dict(run["ckpt"]["model_args"], qk_norm=True)
+    torch.manual_seed(3)
+    model = RoFormer(RoFormerConfig(**args))
+    out = save_run(tmp_path / "out", run["ckpt"], args, model.state_dict())
+    msg = err(f"--out_dir={out}", "--check=False")
+    assert "formats/neox.py" in msg and "is not this model" in msg
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["ckpt.pt"]
+
+
 def test_trained_run_logits_and_greedy_generation_match(run):
     model, hf = run["model"], run["hf"]
     assert max_logit_diff(model, hf, seed=3) < 1e-4
@@ -352,8 +403,7 @@ def test_eval_bpb_equals_bpb_from_exported_model(run, capsys, tmp_path):
                                            ({"nope_every": 2}, "nope_every=2"),
                                            ({"window": 4, "global_every": 2}, "window=4"),
                                            ({"length_temperature": 0.1},
-                                            "length_temperature=0.1"),
-                                           ({"qk_norm": True}, "no norm on queries and keys")])
+                                            "length_temperature=0.1")])
 def test_models_without_a_faithful_mapping_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
     model = RoFormer(RoFormerConfig(**args))
@@ -492,7 +542,7 @@ def no_bias_field(model):  # a config that lost a field the exports read
 
 @pytest.mark.parametrize("change,named", [
     (lambda m: with_field(m, "mlp", "swiglu", "gelu"), "mlp='swiglu'"),
-    (lambda m: with_field(m, "qk_norm", True, False), "qk_norm=True"),
+    (lambda m: with_field(m, "value_residual", True, False), "value_residual=True"),
     (lambda m: with_field(m, "rotary_pct", 0.5, 1.0), "rotary_pct=0.5"),
     (qk_norm, "blocks.0.attn.q_norm.weight"),
     (swiglu, "blocks.1.mlp.c_gate.weight"),

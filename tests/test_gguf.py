@@ -283,7 +283,8 @@ def test_partial_rotary_is_the_dimension_count(run, tmp_path, scaling, factor, o
                                            ({"nope_every": 2}, "nope_every=2"),
                                            ({"window": 4, "local_rope_base": 100.0}, "window=4"),
                                            ({"length_temperature": 0.1},
-                                            "length_temperature=0.1")])
+                                            "length_temperature=0.1"),
+                                           ({"qk_norm": True}, "no norm on queries and keys")])
 def test_models_without_a_gptneox_form_are_refused(run, tmp_path, change, reason):
     args = dict(run["ckpt"]["model_args"], **change)
     model = RoFormer(RoFormerConfig(**args))

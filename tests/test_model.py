@@ -76,8 +76,9 @@ def reference_forward(model, idx, window=None):
         qkv = lin(ln(x, p + "ln_1"), p + "attn.c_attn").view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
         q, k, v = qkv
         if c.attention == "softmax":
-            if getattr(c, "qk_norm", False):  # each head's query and key over its float64 RMS
-                q, k = (t / t.pow(2).mean(-1, keepdim=True).sqrt() for t in (q, k))
+            if getattr(c, "qk_norm", False):  # each head's query and key: float64 mean 0, RMS 1
+                q, k = ((t - t.mean(-1, keepdim=True)) / t.var(-1, unbiased=False, keepdim=True)
+                        .add(1e-5).sqrt() for t in (q, k))
             if c.pos_encoding == "rope":
                 q, k = rot(q), rot(k)
             att = (q @ k.transpose(-1, -2)) / math.sqrt(D)
@@ -330,9 +331,9 @@ def test_forward_matches_reference(attention, fmap, pos_encoding):
 
 @pytest.mark.parametrize("pos_encoding", ["rope", "learned", "none"])
 def test_qk_norm_matches_reference_and_its_cache(pos_encoding):
-    """qk_norm=True: every head's query and key divided by its RMS before RoPE turns it, as the
-    float64 reference does; it changes the model (at init q and k are far from RMS 1), and the
-    cached step gives the uncached logits."""
+    """qk_norm=True: every head's query and key at mean 0 and RMS 1 (LayerNorm without a gain, eps
+    1e-5) before RoPE turns it, as the float64 reference does; it changes the model (at init q
+    and k are far from RMS 1), and the cached step gives the uncached logits."""
     m = tiny(qk_norm=True, pos_encoding=pos_encoding)
     idx = torch.randint(0, 61, (2, 16))
     got = m(idx)[0].double()
