@@ -202,7 +202,8 @@ def test_qk_norm_exports_as_persimmon_and_without_its_norms_would_not_match(run,
     PersimmonForCausalLM with qk_layernorm: its logits are ours over the window and greedy
     decoding gives the same 32 tokens, with partial rotary, biases, an untied head and yarn too;
     the same weights without the norm are another model, and so is the folder without its
-    q/k LayerNorms (read as GPT-NeoX by formats/neox.py's reference)."""
+    q/k LayerNorms (read as GPT-NeoX by formats/neox.py's reference, which computes the folder as
+    transformers does, to 1e-6 in float64)."""
     args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, qk_norm=True, **extra)
     model, out, hf = sharp_export(run, tmp_path, args)
     assert type(hf).__name__ == "PersimmonForCausalLM" and hf.config.qk_layernorm
@@ -217,6 +218,12 @@ def test_qk_norm_exports_as_persimmon_and_without_its_norms_would_not_match(run,
     assert torch.equal(decoding.generate(model, prompt, 32, temperature=0), theirs)
     folder = os.path.join(out, "hf")
     assert export.reference_check(folder, hf_files.reference_logits, model, "the folder") is None
+    ids = torch.randint(0, args["vocab_size"], (model.config.context_window,),
+                        generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # the reference is Persimmon as transformers computes it, in float64
+        hf64 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+        theirs = hf64.eval()(ids[None]).logits[0]
+    assert (hf_files.reference_logits(folder, ids) - theirs).abs().max().item() < 1e-6
     with open(os.path.join(folder, "config.json")) as f:
         conf = json.load(f)
     with open(os.path.join(folder, "config.json"), "w") as f:
