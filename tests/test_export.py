@@ -201,9 +201,9 @@ def test_qk_norm_exports_as_persimmon_and_without_its_norms_would_not_match(run,
     """qk_norm=True (each head's q and k at mean 0, RMS 1 before the turn) is transformers'
     PersimmonForCausalLM with qk_layernorm: its logits are ours over the window and greedy
     decoding gives the same 32 tokens, with partial rotary, biases, an untied head and yarn too;
-    the same weights without the norm are another model, and so is the folder without its
-    q/k LayerNorms (read as GPT-NeoX by formats/neox.py's reference, which computes the folder as
-    transformers does, to 1e-6 in float64)."""
+    the same weights without the norm are another model. formats/neox.py's reference computes
+    the folder as transformers does (1e-6 in float64), and with qk_layernorm set to false (the
+    norms left unread) it is another model there too."""
     args = dict(run["ckpt"]["model_args"], n_head=4, n_embd=64, qk_norm=True, **extra)
     model, out, hf = sharp_export(run, tmp_path, args)
     assert type(hf).__name__ == "PersimmonForCausalLM" and hf.config.qk_layernorm
