@@ -46,10 +46,11 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "t
 
 
 # The allow-list of both exports: every RoFormerConfig field with the values they map (ANY:
-# every value; UNUSED: read only by models refused here). A field model.py gains later is not
-# listed: at its default value it is today's model (model.py's rule for a new option), so it
-# exports, and the float64 reference checks every file against the model all the same; at any
-# other value the model is refused until the exports learn to map it.
+# every value; UNUSED: read only by models refused here; {kind: values} where the two differ).
+# A field model.py gains later is not listed: at its default value it is today's model
+# (model.py's rule for a new option), so it exports, and the float64 reference checks every
+# file against the model all the same; at any other value the model is refused until the
+# exports learn to map it.
 ANY, UNUSED = "any", "unused"
 MAPPED_FIELDS = {
     "vocab_size": ANY, "block_size": ANY, "n_layer": ANY, "n_head": ANY, "n_embd": ANY,
@@ -63,12 +64,14 @@ MAPPED_FIELDS = {
     "rotary_fraction": ANY, "nope_every": (0,), "window": (0,), "global_every": UNUSED,
     "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
     "rope_pairs": ("adjacent", "half"),  # adjacent pairs: q and k rows reordered (formats/hf.py)
-    "qk_norm": (False, True),  # True: the HF export writes Persimmon; GGUF refuses it below
+    "qk_norm": {"hf": (False, True), "gguf": (False,)},  # True: HF's Persimmon (formats/hf.py)
 }
 NOT_MAPPED = {  # why a value is refused, for the refusal
     "nope_every": "GPT-NeoX rotates positions in every layer",
     "window": "GPT-NeoX attends to the whole context in every layer",
-    "length_temperature": "GPT-NeoX does not scale queries past the trained context"}
+    "length_temperature": "GPT-NeoX does not scale queries past the trained context",
+    "qk_norm": "llama.cpp's gptneox block has no norm on queries and keys (and the gguf package "
+               "no persimmon architecture; the HF export writes it as PersimmonForCausalLM)"}
 
 
 def config_refusal(c, kind):
@@ -80,16 +83,12 @@ def config_refusal(c, kind):
         return (f"pos_encoding={c.pos_encoding!r}: GPT-NeoX knows positions only through RoPE, "
                 f"so only pos_encoding='rope' exports (learned positions are not exported as "
                 f"GPT-2 either)")
-    if kind == "gguf" and getattr(c, "qk_norm", False):
-        return ("qk_norm=True: the GGUF export writes llama.cpp's gptneox block, which has no "
-                "norm on queries and keys, and the gguf package has no persimmon architecture; "
-                "the HF export maps it (PersimmonForCausalLM), and a run trained with "
-                "qk_norm=False exports to both")
     fields = dataclasses.fields(c) if dataclasses.is_dataclass(c) else []
     names = [f.name for f in fields] or list(vars(c))
     defaults = {f.name: f.default for f in fields}
     for name in names:
         value, allowed = getattr(c, name), MAPPED_FIELDS.get(name)
+        allowed = allowed[kind] if isinstance(allowed, dict) else allowed
         if allowed is None and name in defaults and value == defaults[name]:
             continue  # a new option left at its default: today's model
         if allowed is None:
