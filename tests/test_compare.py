@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -172,17 +173,23 @@ def test_the_base_again_is_its_own_arm_with_other_seeds(tmp_path):
 @pytest.mark.parametrize("patch", sorted(os.listdir(os.path.join(ROOT, "bench", "patches"))))
 def test_the_logged_patches_still_apply_to_this_tree(patch, tmp_path):
     """docs/LOG.md's changes are reruns of bench/patches/*.patch: each must apply to today's
-    model.py (a copy of it, in a scratch repository), and the patched model must still build
-    and run a forward, so that `--variant=patch:...` reruns the entry instead of failing."""
-    shutil.copy(os.path.join(ROOT, "model.py"), tmp_path / "model.py")
+    files (copies of those it touches, model.py or muon.py, in a scratch repository), and the
+    patched model must still build, run a forward and take a Muon step, so that
+    `--variant=patch:...` reruns the entry instead of failing."""
+    path = os.path.join(ROOT, "bench", "patches", patch)
+    with open(path) as f:
+        touched = re.findall(r"^\+\+\+ b/(\S+)$", f.read(), flags=re.M)
+    assert touched and set(touched) <= {"model.py", "muon.py"}, touched
+    for name in touched:
+        shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    r = subprocess.run(["git", "apply", os.path.join(ROOT, "bench", "patches", patch)],
-                       cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 0, f"{patch} no longer applies to model.py: {r.stderr.strip()}"
-    code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import model; "
+    r = subprocess.run(["git", "apply", path], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, f"{patch} no longer applies to {touched}: {r.stderr.strip()}"
+    code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import model, muon; "
             "c = model.RoFormerConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32); "
-            "m = model.RoFormer(c); x = torch.randint(0, 64, (1, 16)); "
-            "print(m(x, x)[1].item())")
+            "m = model.RoFormer(c); x = torch.randint(0, 64, (1, 16)); loss = m(x, x)[1]; "
+            "loss.backward(); muon.Muon([p for p in m.parameters() if p.dim() == 2], lr=0.01, "
+            "ns_dtype=torch.float32).step(); print(loss.item())")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), ROOT], capture_output=True,
                        text=True)
     assert r.returncode == 0 and math.isfinite(float(r.stdout)), r.stderr[-500:]
