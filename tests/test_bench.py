@@ -191,3 +191,41 @@ def test_mfu_counts_the_flops_torch_counts(shape):
     ours = flops_per_token(cfg, model.num_params(), T) * B * T
     # ours also counts the norms' and biases' parameters, which run no matrix product
     assert abs(ours / counted.get_total_flops() - 1) < 0.005, (ours, counted.get_total_flops())
+
+
+def test_ns_coefficients_derive_the_logged_patches_and_say_where_they_leave_the_spectrum():
+    """bench/ns_coefficients.py: its derivation gives the (a, b, c) written in
+    bench/patches/ns_per_step4.patch and ns_per_step5.patch (docs/LOG.md's entry), and the
+    singular-value ranges it prints are those of the matrix iteration itself (float64 SVD of
+    Newton-Schulz, written out here, on a matrix whose singular values fill [low, 1])."""
+    pytest.importorskip("scipy", reason="bench/ns_coefficients.py solves its minimax with scipy")
+    import importlib.util
+    import numpy as np
+    import torch
+    spec = importlib.util.spec_from_file_location(
+        "ns_coefficients", os.path.join(ROOT, "bench", "ns_coefficients.py"))
+    ns = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ns)
+    torch.manual_seed(0)
+    for patch, steps, low in (("ns_per_step4.patch", 4, 0.003), ("ns_per_step5.patch", 5, 0.001)):
+        with open(os.path.join(ROOT, "bench", "patches", patch)) as f:
+            added = f.read().split("+    COEFFICIENTS = (")[1].split("))")[0]
+        written = [float(v) for v in re.findall(r"-?\d+\.\d+", added)]
+        derived = ns.derive(steps, low)
+        assert len(written) == 3 * steps
+        assert np.abs(np.array(derived).ravel() - written).max() < 2e-4, (patch, derived)
+        # the printed range, against the iteration on a matrix (48 x 144, turned as Muon turns)
+        s = torch.logspace(np.log10(low), 0, 48, dtype=torch.float64)
+        u, _ = torch.linalg.qr(torch.randn(48, 48, dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(144, 48, dtype=torch.float64))
+        x = u @ torch.diag(s) @ v.T
+        for a, b, c in derived:
+            g = x @ x.T
+            x = a * x + (b * g + c * g @ g) @ x
+        got = torch.linalg.svdvals(x)
+        lo, hi = ns.singular_range(derived, low)
+        assert abs(got.min().item() - lo) < 0.02 and abs(got.max().item() - hi) < 0.02, (lo, hi)
+    # what the entry says: 4 steps of their own from [0.003, 1] end nearer 1 than torch's 5
+    lo4, hi4 = ns.singular_range(ns.derive(4, 0.003), 0.003)
+    lo5, hi5 = ns.singular_range([ns.TORCH] * 5, 0.003)
+    assert 0.80 <= lo4 and hi4 <= 1.21 and lo5 < 0.69 and hi5 > 1.19, (lo4, hi4, lo5, hi5)
