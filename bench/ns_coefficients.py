@@ -3,8 +3,8 @@ Newton-Schulz with coefficients of its own for each step: the coefficients, deri
 bench/patches/ns_per_step4.patch and ns_per_step5.patch (docs/LOG.md, 2026-11-29: both lost to
 torch's, so muon.py keeps torch's).
 
-    python bench/ns_coefficients.py                        # ns_per_step4.patch: 4 steps from [0.003, 1]
-    python bench/ns_coefficients.py --steps 5 --low 0.001  # ns_per_step5.patch
+    python bench/ns_coefficients.py                        # ns_per_step4.patch's: 4 steps
+    python bench/ns_coefficients.py --steps 5 --low 0.001  # ns_per_step5.patch's
 
 Muon scales an update to Frobenius norm 1, so its singular values lie in (0, 1], and moves it
 towards the nearest semi-orthogonal matrix with steps x <- a x + b (x x^T) x + c (x x^T)^2 x,
@@ -74,7 +74,8 @@ def main():
         print(f"    ({abc[0]}, {abc[1]}, {abc[2]}),")
     print("\n| coefficients | steps | singular values from [0.001, 1] | from [0.003, 1] "
           "| from [0.01, 1] |\n|---|--:|---|---|---|")
-    rows = [("torch's, repeated", n, [TORCH] * n) for n in (3, 4, 5)] + [("these", args.steps, ours)]
+    rows = [("torch's, repeated", n, [TORCH] * n) for n in (3, 4, 5)]
+    rows.append(("these", args.steps, ours))
     if args.steps > 1:
         rows.append(("these, the last step dropped", args.steps - 1, ours[:-1]))
     for name, n, coefficients in rows:
