@@ -43,7 +43,9 @@ Output, under --out: results.json (one record per arm), results.md (the table), 
 (loss against tokens and against wall time: mean over seeds, min-max band), runs/<arm>-<hash>_sSEED
 (named by what the arm is, not its place in the list). A finished run is reused while nothing
 that decides it changed (its code, the config file's contents, the data, the flags); otherwise,
-or when interrupted, it is trained again and a line says why (--retrain for all). A variant
+or when interrupted, it is trained again and a line says why (--retrain for all). So seeds
+split over processes or machines (each its own --out, --first_seed and --seeds) report together:
+copy their runs/ folders into one --out and run there with all the seeds. A variant
 that fails (an unknown key, a patch that does not apply, a crash) is reported in one line and
 the other arms finish. Extra --key=value arguments go to every train.py run; neither they nor a
 variant may set what compare sets itself (OWN_KEYS).
@@ -93,6 +95,8 @@ def parse_args(argv):
                     help="'KEY=VALUE ...', patch:FILE or base (repeat for several)")
     ap.add_argument("--against", default="", help="the base runs this git revision's code")
     ap.add_argument("--seeds", type=int, default=3, help="runs per arm (seeds 1337, 1338, ...)")
+    ap.add_argument("--first_seed", type=int, default=FIRST_SEED,
+                    help="the first of the seeds (to split them over processes: see above)")
     ap.add_argument("--max_iters", type=int, default=300)
     ap.add_argument("--eval_interval", type=int, default=0, help="default: max_iters // 4")
     ap.add_argument("--eval_iters", type=int, default=4, help="train.py's periodic val batches")
@@ -107,8 +111,9 @@ def parse_args(argv):
         if not (a.startswith("--") and "=" in a):
             raise UserError(f"unexpected argument {a!r} (train.py options go as --key=value)")
     args.train_extra = extra
-    if args.seeds < 1 or args.max_iters < 1 or args.eval_tokens < 2:
-        raise UserError("need --seeds >= 1, --max_iters >= 1 and --eval_tokens >= 2")
+    if args.seeds < 1 or args.first_seed < 0 or args.max_iters < 1 or args.eval_tokens < 2:
+        raise UserError("need --seeds >= 1, --first_seed >= 0, --max_iters >= 1 and "
+                        "--eval_tokens >= 2")
     n_arms = 1 + bool(args.against) + len(args.variant)
     if args.seeds * n_arms > MAX_RUNS:
         raise UserError(f"--seeds={args.seeds} x {n_arms} arm{'s' * (n_arms > 1)} is "
@@ -249,7 +254,7 @@ def plan_runs(args, arms):
     runs = []
     for i in range(args.seeds):
         for arm in arms:
-            seed = FIRST_SEED + i + arm["seed_offset"]
+            seed = args.first_seed + i + arm["seed_offset"]
             runs.append({"arm": arm, "seed": seed, "pair": i,
                          "dir": os.path.join(args.out, "runs", f"{arm['folder']}_s{seed}")})
     return runs

@@ -305,6 +305,37 @@ def test_a_finished_run_is_retrained_when_anything_that_decides_it_changed(tmp_p
         assert trained == 1 and len(lines) == 1, (word, said)
 
 
+def test_seeds_split_over_processes_report_together(tmp_path, monkeypatch):
+    """--first_seed: seeds 1337 and 1338 run in two --out folders (as two processes or machines
+    would), their runs/ copied into a third, are the runs one --seeds=2 invocation plans there,
+    and all of them are reused: nothing trains again."""
+    trainer = FakeTrainer()
+    monkeypatch.setattr(compare, "run_logged", trainer)
+    monkeypatch.setattr(compare, "count_params", lambda d: 0)
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def runs(*argv):
+        args = fake_args(tmp_path, "--variant=n_layer=2", *argv)
+        return args, compare.plan_runs(args, fake_arms(tmp_path, args))
+
+    for first, out in ((1337, "a"), (1338, "b")):
+        args, planned = runs("--seeds=1", f"--first_seed={first}", f"--out={tmp_path / out}")
+        assert {r["seed"] for r in planned} == {first}
+        for run in planned:
+            compare.train_and_score(args, run, str(data))
+    assert trainer.trained == 4
+    for out in ("a", "b"):
+        shutil.copytree(tmp_path / out / "runs", tmp_path / "all" / "runs", dirs_exist_ok=True)
+    args, planned = runs("--seeds=2", f"--out={tmp_path / 'all'}")
+    assert sorted((r["arm"]["name"], r["seed"]) for r in planned) == [
+        ("base", 1337), ("base", 1338), ("n_layer=2", 1337), ("n_layer=2", 1338)]
+    assert [compare.train_and_score(args, r, str(data)) for r in planned] == ["reused"] * 4
+    assert trainer.trained == 4
+    with pytest.raises(compare.UserError, match="first_seed"):
+        compare.parse_args(["--first_seed=-1", f"--out={tmp_path / 'o'}"])
+
+
 def test_data_identity_changes_with_the_data(tmp_path):
     """The held-out folder (part of every run's key) is another folder when the dataset's files
     change, not only its meta.json."""
