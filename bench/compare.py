@@ -94,9 +94,9 @@ def parse_args(argv):
     ap.add_argument("--variant", action="append", default=[],
                     help="'KEY=VALUE ...', patch:FILE or base (repeat for several)")
     ap.add_argument("--against", default="", help="the base runs this git revision's code")
-    ap.add_argument("--seeds", type=int, default=3, help="runs per arm (seeds 1337, 1338, ...)")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per arm: --first_seed, +1, ...")
     ap.add_argument("--first_seed", type=int, default=FIRST_SEED,
-                    help="the first of the seeds (to split them over processes: see above)")
+                    help="the first seed, 1337 (to split seeds over processes: see above)")
     ap.add_argument("--max_iters", type=int, default=300)
     ap.add_argument("--eval_interval", type=int, default=0, help="default: max_iters // 4")
     ap.add_argument("--eval_iters", type=int, default=4, help="train.py's periodic val batches")
