@@ -18,11 +18,15 @@ decimals as the patches write them, and where each set leaves the singular value
 torch's.
 """
 import argparse
+import os
 import sys
 
 import numpy as np
 
-TORCH = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's, for each of its 5 steps
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from muon import Muon  # noqa: E402
+
+TORCH = Muon.COEFFICIENTS  # torch.optim.Muon's (a, b, c), for each of its 5 steps
 
 
 def minimax_quintic(low, high, points=4000):
