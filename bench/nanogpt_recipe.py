@@ -22,8 +22,10 @@ runs a schedule of their own, as the recipe allows: N iterations, warmup --ours_
 cosine, or with --ours_cooldown=F train.py's trapezoid (the peak held, then linear to lr/10
 over the last F of the decay), and --ours_lr its AdamW rate (default the recipe's; with Muon,
 the rate of the embeddings, head and norms); --ours_qk_norm=True builds our model with
-qk_norm (model.py: q and k at mean 0, RMS 1; exports to HF only). nanoGPT's run keeps its
-recipe, and sets the target.
+qk_norm (model.py: q and k at mean 0, RMS 1; exports to HF only); --ours_dtype (default auto:
+as train.py picks, bf16 autocast on a CPU that multiplies bf16 natively, else float32) the dtype
+our two runs train and are scored in. nanoGPT's run keeps its recipe (float32: its train.py
+runs a CPU without autocast), and sets the target.
 """
 import math
 import os
@@ -35,7 +37,8 @@ import numpy as np
 import torch
 
 from model import RoFormer, RoFormerConfig  # the importer puts the repo root on sys.path
-from harness.device import native_bf16
+from harness.common import UserError
+from harness.device import native_bf16, pick_device
 from optim import build_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,6 +172,8 @@ class TargetRun:
                                        name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
                                        bf16=native_bf16("cpu"))  # as train.py builds it
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
+        bf16 = kind != "nanoGPT, AdamW" and args.get("ours_dtype") == "bfloat16"  # resolved
+        self.autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=bf16)
         # the schedule: nanoGPT's recipe, or for ours its own (--ours_iters, _warmup, _cooldown)
         self.total_iters, self.warmup, self.cooldown = args["target_iters"], WARMUP, 0.0
         if kind != "nanoGPT, AdamW" and args.get("ours_iters"):
@@ -185,7 +190,8 @@ class TargetRun:
                 g["lr"] = frac * g.get("base_lr", LR)
             start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
             xy = torch.from_numpy(data[start[:, None] + np.arange(RECIPE["block_size"] + 1)])
-            loss = self.model(xy[:, :-1], xy[:, 1:])[1]
+            with self.autocast():
+                loss = self.model(xy[:, :-1], xy[:, 1:])[1]
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
@@ -196,7 +202,7 @@ class TargetRun:
 
     def score(self, batches):
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():  # as train.py evaluates: in its dtype
             loss = statistics.mean(self.model(x, y)[1].item() for x, y in batches)
         self.model.train()
         self.curve.append((self.it, self.seconds, loss))
@@ -206,6 +212,7 @@ def ours_schedule(args):
     """Ours' recipe in words, for the table's heading."""
     rate = f"AdamW's rate {args.get('ours_lr') or LR:g}"
     rate += ", qk_norm" if args.get("ours_qk_norm") else ""
+    rate += ", bf16 autocast" if args.get("ours_dtype") == "bfloat16" else ", float32"
     if not args.get("ours_iters"):
         return f"ours on nanoGPT's schedule, {rate}"
     decay = (f"flat, then linear over the last {args['ours_cooldown']:g} of the decay"
@@ -216,6 +223,10 @@ def ours_schedule(args):
 
 def target(threads, args):
     torch.set_num_threads(threads)
+    try:  # "auto" as train.py resolves it; nothing else that train.py refuses on a CPU
+        args["ours_dtype"] = pick_device("cpu", args["ours_dtype"], training=True)[1]
+    except UserError as e:
+        sys.exit(f"error: --ours_dtype: {e}")
     text = char_text(args)
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}

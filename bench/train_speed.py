@@ -31,7 +31,9 @@ roll form, the default before adjacent pairs). --rounds rounds, each runs all fo
 rotates every round), --steps steps each with the first --warmup dropped; medians and per-round
 ratios to (1) are reported. (2)/(1): RoPE, (3)/(2): train.py's loop. --cpu_clock=True times
 with this process's CPU time instead of the wall clock: at 1 thread, time the machine gives to
-other jobs then does not count.
+other jobs then does not count. --train_dtype (default float32, as the plain loop runs)
+is train.py's --dtype here and in --whole: auto times train.py as it runs by default (bf16
+autocast on a CPU that multiplies bf16 natively) against the float32 plain loop.
 --whole=True: wall and CPU time of `python train.py` for --iters iterations (evaluating at 0,
 --eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
 them) against `python bench/train_speed.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
@@ -74,7 +76,8 @@ defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": Tr
             "text": "data/shakespeare/input.txt", "text_chars": 1_115_394, "target_iters": 2000,
             "target_eval": 25, "target_batches": 20, "muon_lr": 0.02, "seed": 1337,
             "ours_iters": 0, "ours_warmup": 100, "ours_cooldown": 0.0, "ours_lr": 0.0,
-            "ours_qk_norm": False, "cpu_clock": False}
+            "ours_qk_norm": False, "ours_dtype": "auto", "cpu_clock": False,
+            "train_dtype": "float32"}
 try:
     args = configure(defaults, sys.argv[1:])
 except UserError as e:
@@ -102,10 +105,10 @@ def zero_grad_clock(on_stamp=None):
 
 def train_py_argv(data_dir, out_dir, n, eval_interval, eval_iters):
     argv = [f"--data_dir={data_dir}", "--dataset=random", f"--out_dir={out_dir}",
-            "--device=cpu", "--dtype=float32", "--compile=False", f"--max_iters={n}",
-            f"--eval_interval={eval_interval}", f"--eval_iters={eval_iters}", "--dropout=0.0",
-            f"--learning_rate={LR}", f"--weight_decay={WEIGHT_DECAY}", f"--beta1={BETAS[0]}",
-            f"--beta2={BETAS[1]}"]
+            "--device=cpu", f"--dtype={args['train_dtype']}", "--compile=False",
+            f"--max_iters={n}", f"--eval_interval={eval_interval}", f"--eval_iters={eval_iters}",
+            "--dropout=0.0", f"--learning_rate={LR}", f"--weight_decay={WEIGHT_DECAY}",
+            f"--beta1={BETAS[0]}", f"--beta2={BETAS[1]}"]
     return argv + [f"--{k}={v}" for k, v in RECIPE.items() if k != "vocab_size"]
 
 

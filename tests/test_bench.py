@@ -133,6 +133,44 @@ def test_ours_qk_norm_builds_our_runs_only(monkeypatch):
     assert "qk_norm" not in recipe.ours_schedule(dict(args, ours_qk_norm=False))
 
 
+def test_ours_dtype_autocasts_our_runs_only(monkeypatch, tmp_path):
+    """--ours_dtype=bfloat16 (what auto picks on a CPU with native bf16, as train.py does): our
+    two runs train and are scored under bf16 autocast, nanoGPT's stays float32, and the heading
+    names the dtype. Reference: the logits' dtype inside each run's context, and the score
+    recomputed by hand under torch.autocast. A dtype train.py refuses on a CPU is one line."""
+    import torch
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import nanogpt_recipe as recipe
+    args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_dtype": "bfloat16"}
+    x = torch.randint(0, 65, (2, 8))
+    for kind, want in (("nanoGPT, AdamW", torch.float32), ("ours, Muon", torch.bfloat16),
+                       ("ours, AdamW", torch.bfloat16)):
+        run = recipe.TargetRun(kind, 65, args)
+        with torch.no_grad(), run.autocast():
+            assert run.model(x)[0].dtype == want
+        run.score([(x, x)])
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=want != torch.float32):
+            assert run.curve[-1][2] == run.model.eval()(x, x)[1].item()
+    assert "bf16 autocast" in recipe.ours_schedule(args)
+    assert "float32" in recipe.ours_schedule(dict(args, ours_dtype="float32"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+                        "--target=True", "--ours_dtype=float16", f"--text={tmp_path}"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: --ours_dtype: ") and "float16" in r.stderr
+
+
+def test_train_dtype_reaches_train_py():
+    """--train_dtype is train.py's --dtype in --whole (and --overhead): float16, which train.py
+    refuses on a CPU in one line, comes back as that line, so the value went through."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+                        "--whole=True", "--iters=2", "--eval_iters=1", "--rounds=1",
+                        "--threads=1", "--train_dtype=float16"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.startswith("error: train.py failed: ")
+    assert "dtype=float16 needs CUDA" in r.stderr
+
+
 def load_gpu_speed(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import gpu_speed
