@@ -65,13 +65,15 @@ MAPPED_FIELDS = {
     "local_rope_base": UNUSED, "length_temperature": (0.0,), "tie_embeddings": (True, False),
     "rope_pairs": ("adjacent", "half"),  # adjacent pairs: q and k rows reordered (formats/hf.py)
     "qk_norm": {"hf": (False, True), "gguf": (False,)},  # True: HF's Persimmon (formats/hf.py)
+    "value_residual": (False,),
 }
 NOT_MAPPED = {  # why a value is refused, for the refusal
     "nope_every": "GPT-NeoX rotates positions in every layer",
     "window": "GPT-NeoX attends to the whole context in every layer",
     "length_temperature": "GPT-NeoX does not scale queries past the trained context",
     "qk_norm": "llama.cpp's gptneox block has no norm on queries and keys (and the gguf package "
-               "no persimmon architecture; the HF export writes it as PersimmonForCausalLM)"}
+               "no persimmon architecture; the HF export writes it as PersimmonForCausalLM)",
+    "value_residual": "a GPT-NeoX layer sees only its own values, not layer 0's"}
 
 
 def config_refusal(c, kind):

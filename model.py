@@ -51,6 +51,7 @@ class RoFormerConfig:
     length_temperature: float = 0.0  # q x 1 + this ln(max(1, (pos+1) / original_context))
     tie_embeddings: bool = True   # the output head is wte's weight; False: a matrix of its own
     qk_norm: bool = False         # softmax: each head's q and k at mean 0, RMS 1 before the turn
+    value_residual: bool = False  # softmax: later layers mix in layer 0's values, a gate each
 
     @property
     def original_context(self):  # a fine-tune at a longer block keeps it: no compounding
@@ -84,10 +85,8 @@ def init_generator(seed, name, device="cpu"):
 def init_parameter(name, p, n_layer, seed):
     """The one init rule, by name (also for harness/build.py's meta-device build): matrices
     normal(0, 0.02), residual projections c_proj / sqrt(2 n_layer); norm weights 1, biases 0."""
-    if name.endswith("bias"):
-        p.zero_()
-    elif p.dim() == 1:
-        p.fill_(1.0)
+    if p.dim() == 1:  # biases 0; norm weights and the value residual's gates 1
+        p.fill_(0.0 if name.endswith("bias") else 1.0)
     else:
         std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
         p.normal_(0.0, std, generator=init_generator(seed, name, p.device))
@@ -181,11 +180,11 @@ class Positions(NamedTuple):  # what every layer needs to know about one forward
     local_rope: Optional[tuple] = None     # (cos, sin) of local layers, if not rope's
     local_own: Optional[tuple] = None      # scores(pos, window), for local layers' own keys
     q_scale: Optional[torch.Tensor] = None  # (T, 1) length temperature of each query
+    first_v: Optional[list] = None         # value residual: [layer 0's values], once it ran
 
     def scores(self, key_pos, visible=None, window=0):
-        """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias with
-        -inf where hidden) and the (queries, keys) distances. visible: the cache's, else causal
-        (and inside `window`, if given)."""
+        """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias, -inf
+        where hidden) and the distances. visible: the cache's, else causal (and inside window)."""
         if visible is None and self.bias is None and not window:
             return None, None
         distance = self.pos[:, None] - key_pos[None, :]
@@ -198,6 +197,7 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer=0):
         super().__init__()
         self.cfg, self.layer = cfg, layer  # layer: its index in the caches
+        self.v_mix = nn.Parameter(torch.ones(1)) if cfg.value_residual and layer else None
         kth = lambda k: k > 0 and (layer + 1) % k == 0  # noqa: E731 (layers k-1, 2k-1, ..)
         self.rotates = not kth(cfg.nope_every)  # NoPE layers: no rotation at all
         self.window = 0 if kth(cfg.global_every) else cfg.window  # 0: the whole context
@@ -210,9 +210,7 @@ class Attention(nn.Module):
             baselines().add_tables(self, cfg, "attention")
 
     def rope(self, positions):  # this layer's (cos, sin), None: no rotation
-        if not self.rotates:
-            return None
-        return positions.local_rope if self.window and positions.local_rope else positions.rope
+        return ((self.window and positions.local_rope) or positions.rope) if self.rotates else None
 
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
@@ -226,6 +224,10 @@ class Attention(nn.Module):
         rope = self.rope(positions)
         q, k = apply_rope(qk, *rope, self.cfg.rope_pairs) if rope else qk  # v: not rotated
         v = v.squeeze(0)
+        if self.cfg.value_residual and not self.layer:  # layer 0 lends its values to the rest
+            positions.first_v.append(v)
+        elif self.cfg.value_residual:  # v + (v_0 - v) g, g = v_mix / 2: 0.5 at init
+            v = torch.lerp(v, positions.first_v[0], (0.5 * self.v_mix).to(v.dtype))
         if positions.q_scale is not None:  # float32 scale, q's dtype after
             q = (q * positions.q_scale).to(k.dtype)
         if cache is not None:
@@ -369,8 +371,8 @@ class RoFormer(nn.Module):
         x, added = self.wte(idx), self.position_embedding(pos, rows)
         x = self.drop(x if added is None else x + added)
         rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
-        positions = self.designs(Positions(
-            pos, rope, self.position_bias if c.pos_encoding in RELATIVE else None), cache)
+        positions = self.designs(Positions(pos, rope, self.position_bias if c.pos_encoding in
+                                           RELATIVE else None, first_v=[]), cache)
         for block in self.blocks:
             x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
@@ -392,8 +394,7 @@ class RoFormer(nn.Module):
                 pos, window=c.window) if c.window else None)
         return positions
 
-    def num_params(self, non_embedding=True):
-        """non_embedding: less the lookup tables, wpe and an untied wte (a tied one is the head)"""
+    def num_params(self, non_embedding=True):  # non_embedding: less wpe, and wte if untied
         n = sum(p.numel() for p in self.parameters())
         tables = [self.wpe] + ([] if self.config.tie_embeddings else [self.wte])
         return n - sum(t.weight.numel() for t in tables if non_embedding and t is not None)

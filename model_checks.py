@@ -42,6 +42,8 @@ def check_config(cfg):
         (not 0.0 <= cfg.dropout < 1.0, f"dropout must be in [0, 1), got {cfg.dropout}"),
         (cfg.qk_norm and cfg.attention == "linear", "qk_norm=True normalises the queries and "
          "keys of softmax attention: attention='linear' feeds them to its feature map unchanged"),
+        (cfg.value_residual and cfg.attention == "linear", "value_residual=True mixes layer 0's "
+         "values into softmax attention's: attention='linear' has no such gate"),
         (not (1.0 < cfg.rope_base < math.inf and 1.0 <= cfg.rope_factor < math.inf),
          f"rope_base must be finite and > 1 and rope_factor finite and >= 1, got "
          f"{cfg.rope_base} and {cfg.rope_factor}"),

@@ -106,8 +106,7 @@ ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "l
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    # a fresh memmap per call: numpy keeps a long-lived memmap's pages resident (the split's
-    # size was checked against meta.json at the start: harness/dataset.py)
+    # a fresh memmap per call: a long-lived one keeps its pages resident (size: harness/dataset.py)
     data = np.memmap(os.path.join(ddir, f"{split}.bin"), dtype=job.meta["dtype"], mode="r")
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]

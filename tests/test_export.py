@@ -522,7 +522,7 @@ def untied(model):
 
 
 @pytest.mark.parametrize("change", [{"nope_every": 2}, {"window": 4, "global_every": 2},
-                                    {"length_temperature": 0.1}])
+                                    {"length_temperature": 0.1}, {"value_residual": True}])
 def test_a_value_refused_is_named_with_the_values_mapped_and_the_way_out(change):
     """Issue 45: "the hf export maps only (0,)" printed a raw tuple. The refusal names the
     value given, the value mapped as a setting (not a tuple) and what a user can do."""

@@ -81,6 +81,9 @@ def reference_forward(model, idx, window=None):
                         .add(1e-5).sqrt() for t in (q, k))
             if c.pos_encoding == "rope":
                 q, k = rot(q), rot(k)
+            if getattr(c, "value_residual", False):  # layer 0's values v0, mixed in: gate / 2
+                v0 = v if i == 0 else v0
+                v = v if i == 0 else v + (v0 - v) * W[p + "attn.v_mix"] / 2
             att = (q @ k.transpose(-1, -2)) / math.sqrt(D)
             y = att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
         else:
@@ -343,6 +346,32 @@ def test_qk_norm_matches_reference_and_its_cache(pos_encoding):
     assert torch.allclose(cached_logits(m, idx, split=5), want, atol=1e-5)
     with pytest.raises(ValueError, match="qk_norm=True normalises .* attention='linear'"):
         RoFormerConfig(qk_norm=True, attention="linear")
+
+
+@pytest.mark.parametrize("pos_encoding", ["rope", "learned"])
+def test_value_residual_matches_reference_and_its_cache(pos_encoding):
+    """value_residual=True: each layer after the first attends with v + (v0 - v) g / 2, v0 the
+    first layer's values of the same tokens and g the layer's gate, as the float64 reference
+    does (gates drawn away from their init of 1, so each is read); gates at 0 give the plain
+    model's logits exactly; the cached step gives the uncached logits."""
+    m = tiny(value_residual=True, pos_encoding=pos_encoding, n_layer=3)
+    assert [b.attn.v_mix is None for b in m.blocks] == [True, False, False]
+    with torch.no_grad():
+        for b in m.blocks[1:]:
+            b.attn.v_mix.uniform_(-1.0, 3.0)
+    idx = torch.randint(0, 61, (2, 16))
+    got = m(idx)[0].double()
+    assert torch.allclose(got, reference_forward(m, idx), atol=1e-4)
+    plain = tiny(pos_encoding=pos_encoding, n_layer=3)  # same seed: the weights they share
+    assert not torch.allclose(got, plain(idx)[0].double(), atol=1e-3)
+    want = torch.stack([m(idx[:, :t + 1])[0][:, -1] for t in range(16)], dim=1)
+    assert torch.allclose(cached_logits(m, idx, split=5), want, atol=1e-5)
+    with torch.no_grad():
+        for b in m.blocks[1:]:
+            b.attn.v_mix.zero_()
+    assert torch.equal(m(idx)[0], plain(idx)[0])
+    with pytest.raises(ValueError, match="value_residual=True mixes .* attention='linear'"):
+        RoFormerConfig(value_residual=True, attention="linear")
 
 
 @pytest.mark.parametrize("attention,fmap", KINDS)
