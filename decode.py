@@ -95,11 +95,19 @@ def one_token_step(model, cache, compile, device):
     if sys.platform == "linux":
         how["cpu"] = {"options": {"cpp_wrapper": True}}
     forward = torch.compile(model.forward, fullgraph=True, dynamic=False, **how.get(kind, {}))
+    warm = False
 
     def step(tok, pos):
+        nonlocal warm
         if cuda:  # a new replay: the last step's logits (already sampled from) may go
             torch.compiler.cudagraph_mark_step_begin()
-        return forward(tok, cache=cache, start_pos=pos)[0][:, -1]
+        # The first call checks every guard (compiling, or choosing this model's graph); after
+        # it each call passes this cache and a token and position of the same shapes, so only
+        # the guards that tell compiled graphs apart run (docs/SPEED.md, "Guards checked ...")
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=warm):
+            logits = forward(tok, cache=cache, start_pos=pos)[0][:, -1]
+        warm = True
+        return logits
     return step
 
 

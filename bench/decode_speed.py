@@ -24,13 +24,19 @@ Tables:
      with the bytes held by the cache (softmax rolling window, the same with local layers that
      keep only --window slots and every --global_every-th layer global, vs linear attention's
      recurrent state).
+  5. Dynamo's guards: the compiled float32 step per token (as table 1's per-token column, 1
+     thread) as decode.py runs it, every guard checked on the first call only, and with every
+     guard checked on every call (decode.py's set_stance made a no-op), in turns, --reps
+     rounds each.
 Ratios from one run are what to quote: the machine may be shared and timings are noisy.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
+import unittest.mock
 import warnings
 
 import torch
@@ -162,7 +168,7 @@ def main():
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--threads", type=int, default=0, help="threads for tables 2-4 (0: torch's default)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--tables", default="1,2,3,4", help="which tables to print")
+    ap.add_argument("--tables", default="1,2,3,4,5", help="which tables to print")
     a = ap.parse_args()
     tables = {int(t) for t in a.tables.split(",")}
     warnings.filterwarnings("ignore")
@@ -185,6 +191,8 @@ def main():
         versus_transformers(model, hf, a, all_threads)
     if 4 in tables:
         cached_vs_uncached(a, all_threads)
+    if 5 in tables and a.compile:
+        guards(a, n_params, all_threads)
 
 
 def ceiling_table(a, n_params, all_threads):
@@ -284,6 +292,27 @@ def cached_vs_uncached(a, all_threads):
         r = [step_latency(m, p, 32) for p in positions]
         print(f"| {label} | " + " | ".join(f"{ms:.2f}" for ms, _ in r) + " | "
               + " | ".join(f"{held / 1024:.0f}" for _, held in r) + " |", flush=True)
+
+
+def guards(a, n_params, all_threads):
+    print(f"\n## 5. the compiled float32 step per token vs the ceiling, 1 thread, {a.reps} rounds "
+          "in turns: dynamo's guards checked on the first call only (decode.py) or on every call")
+    print("| guards | per token: compiled/ceiling, each round | median |")
+    print("|---|---|---:|")
+    torch.set_num_threads(1)
+    m = make(a)
+    W, v = torch.randn(n_params // a.n_embd, a.n_embd), torch.randn(a.n_embd)
+    every = unittest.mock.patch.object(torch.compiler, "set_stance",
+                                       lambda *args, **kw: contextlib.nullcontext())
+    got = {"first call only": [], "every call": []}
+    interleaved(m, a, W, v, True)  # compiles
+    for _ in range(a.reps):
+        for name, patch in (("first call only", contextlib.nullcontext()), ("every call", every)):
+            with patch:
+                got[name].append(interleaved(m, a, W, v, True))
+    for name, xs in got.items():
+        print(f"| {name} | {', '.join(f'{x:.2f}' for x in xs)} | {statistics.median(xs):.2f} |")
+    torch.set_num_threads(all_threads)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,34 @@ def test_compiled_decode_gives_the_eager_tokens_from_one_graph(attention):
         generate(m, prompt, 3, compile=True, use_cache=False)
 
 
+@pytest.mark.slow
+def test_compiled_streams_that_skip_guards_still_run_their_own_graphs():
+    """After its first call a compiled step checks only the guards that tell graphs apart
+    (decode.py). Models whose parameters have the same shapes but whose graphs differ (QK-norm,
+    length temperature), a second batch size, and two streams consumed in turns each still give
+    their own eager tokens, and a model changed between two generations (its weights moved to
+    other tensors, an option switched on) is decoded as it now is."""
+    torch._dynamo.reset()
+    models = [tiny(), tiny(qk_norm=True), tiny(length_temperature=0.5, block_size=4)]
+    prompt = torch.randint(0, 61, (2, 5))
+    for m in models + models[:1]:
+        want = generate(m, prompt, 12, temperature=0)
+        assert torch.equal(generate(m, prompt, 12, temperature=0, compile=True), want)
+    assert torch.equal(generate(models[0], prompt[:1], 12, temperature=0, compile=True),
+                       generate(models[0], prompt[:1], 12, temperature=0))
+    streams = [generate_stream(m, prompt, 12, temperature=0, compile=True) for m in models[:2]]
+    got = [[prompt], [prompt]]
+    for tokens in zip(*streams):  # one token from each in turn
+        for out, token in zip(got, tokens):
+            out.append(token)
+    for m, out in zip(models, got):
+        assert torch.equal(torch.cat(out, 1), generate(m, prompt, 12, temperature=0))
+    m = models[0]
+    m.load_state_dict({k: v * 1.5 for k, v in m.state_dict().items()}, assign=True)
+    m.config.qk_norm = True  # the config the layers read
+    assert torch.equal(generate(m, prompt, 12, temperature=0, compile=True),
+                       generate(m, prompt, 12, temperature=0))
+
 def test_compile_leaves_no_jit_deprecation_warnings():
     """torch.compile's first compile imports torch.utils.mkldnn, whose 14 uses of
     torch.jit.script_method each warn (DeprecationWarning, raised inside torch). Re-running
