@@ -24,8 +24,11 @@ over the last F of the decay), and --ours_lr its AdamW rate (default the recipe'
 the rate of the embeddings, head and norms); --ours_qk_norm=True builds our model with
 qk_norm (model.py: q and k at mean 0, RMS 1; exports to HF only); --ours_dtype (default auto:
 as train.py picks, bf16 autocast on a CPU that multiplies bf16 natively, else float32) the dtype
-our two runs train and are scored in. nanoGPT's run keeps its recipe (float32: its train.py
-runs a CPU without autocast), and sets the target.
+our two runs train and are scored in; --ours_short=N: our runs' first N iterations train on
+windows of --ours_short_block tokens (default 32) instead of the block's 64, as many windows
+(a sequence-length schedule: fewer tokens per early step; RoPE leaves no position untrained by
+it, and the scored batches keep the full block). nanoGPT's run keeps its recipe (float32: its
+train.py runs a CPU without autocast), and sets the target.
 """
 import math
 import os
@@ -180,6 +183,9 @@ class TargetRun:
             self.total_iters = args["ours_iters"]
             self.warmup, self.cooldown = args["ours_warmup"], args["ours_cooldown"]
         self.it, self.seconds, self.curve = 0, 0.0, []  # curve: (iteration, seconds, val loss)
+        # --ours_short: the first iterations on shorter windows (ours only)
+        self.short = (args.get("ours_short", 0), args.get("ours_short_block")) \
+            if kind != "nanoGPT, AdamW" else (0, None)
 
     def train(self, data, n):
         t0 = time.perf_counter()
@@ -188,8 +194,9 @@ class TargetRun:
             frac = recipe_lr(self.it, self.total_iters, self.warmup, self.cooldown) / LR
             for g in self.opt.param_groups:
                 g["lr"] = frac * g.get("base_lr", LR)
-            start = self.gen.integers(0, len(data) - RECIPE["block_size"], RECIPE["batch_size"])
-            xy = torch.from_numpy(data[start[:, None] + np.arange(RECIPE["block_size"] + 1)])
+            T = self.short[1] if self.it < self.short[0] else RECIPE["block_size"]
+            start = self.gen.integers(0, len(data) - T, RECIPE["batch_size"])
+            xy = torch.from_numpy(data[start[:, None] + np.arange(T + 1)])
             with self.autocast():
                 loss = self.model(xy[:, :-1], xy[:, 1:])[1]
             loss.backward()
@@ -213,6 +220,9 @@ def ours_schedule(args):
     rate = f"AdamW's rate {args.get('ours_lr') or LR:g}"
     rate += ", qk_norm" if args.get("ours_qk_norm") else ""
     rate += ", bf16 autocast" if args.get("ours_dtype") == "bfloat16" else ", float32"
+    if args.get("ours_short"):
+        rate += (f", the first {args['ours_short']} iterations on "
+                 f"{args['ours_short_block']}-token windows")
     if not args.get("ours_iters"):
         return f"ours on nanoGPT's schedule, {rate}"
     decay = (f"flat, then linear over the last {args['ours_cooldown']:g} of the decay"
@@ -227,6 +237,9 @@ def target(threads, args):
         args["ours_dtype"] = pick_device("cpu", args["ours_dtype"], training=True)[1]
     except UserError as e:
         sys.exit(f"error: --ours_dtype: {e}")
+    if args["ours_short"] < 0 or not 1 <= args["ours_short_block"] <= RECIPE["block_size"]:
+        sys.exit(f"error: --ours_short must be >= 0 and --ours_short_block in 1.."
+                 f"{RECIPE['block_size']}, got {args['ours_short']} and {args['ours_short_block']}")
     text = char_text(args)
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}

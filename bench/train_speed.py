@@ -76,8 +76,8 @@ defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": Tr
             "text": "data/shakespeare/input.txt", "text_chars": 1_115_394, "target_iters": 2000,
             "target_eval": 25, "target_batches": 20, "muon_lr": 0.02, "seed": 1337,
             "ours_iters": 0, "ours_warmup": 100, "ours_cooldown": 0.0, "ours_lr": 0.0,
-            "ours_qk_norm": False, "ours_dtype": "auto", "cpu_clock": False,
-            "train_dtype": "float32"}
+            "ours_qk_norm": False, "ours_dtype": "auto", "ours_short": 0, "ours_short_block": 32,
+            "cpu_clock": False, "train_dtype": "float32"}
 try:
     args = configure(defaults, sys.argv[1:])
 except UserError as e:

@@ -133,6 +133,36 @@ def test_ours_qk_norm_builds_our_runs_only(monkeypatch):
     assert "qk_norm" not in recipe.ours_schedule(dict(args, ours_qk_norm=False))
 
 
+def test_ours_short_trains_our_first_iterations_on_shorter_windows(monkeypatch, tmp_path):
+    """--ours_short=N --ours_short_block=L: our two runs' first N iterations see L-token windows
+    of the training ids (inputs, and targets one token on), as many as the batch, then the full
+    block; nanoGPT's run always sees the full block. Reference: the shapes the model was given
+    and each window found in the data. A block outside 1..64 is one line."""
+    import numpy as np
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import nanogpt_recipe as recipe
+    args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_short": 3,
+            "ours_short_block": 16}
+    data = np.random.default_rng(0).integers(0, 65, 5000).astype(np.int64)
+    for kind, want in (("nanoGPT, AdamW", [64] * 5), ("ours, Muon", [16] * 3 + [64] * 2),
+                       ("ours, AdamW", [16] * 3 + [64] * 2)):
+        run, seen = recipe.TargetRun(kind, 65, args), []
+        run.model.forward = lambda x, y, f=run.model.forward: seen.append((x, y)) or f(x, y)
+        run.train(data, 5)
+        assert [x.shape for x, _ in seen] == [(12, T) for T in want], kind
+        for x, y in seen:
+            for a, b in zip(x.numpy(), y.numpy()):
+                s = next(i for i in range(len(data)) if np.array_equal(data[i:i + len(a)], a))
+                assert np.array_equal(data[s + 1:s + 1 + len(b)], b)
+    assert "the first 3 iterations on 16-token windows" in recipe.ours_schedule(args)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+                        "--target=True", "--ours_short=5", "--ours_short_block=65",
+                        f"--text={tmp_path}"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: --ours_short") and "65" in r.stderr
+
+
 def test_ours_dtype_autocasts_our_runs_only(monkeypatch, tmp_path):
     """--ours_dtype=bfloat16 (what auto picks on a CPU with native bf16, as train.py does): our
     two runs train and are scored under bf16 autocast, nanoGPT's stays float32, and the heading
