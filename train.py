@@ -56,6 +56,7 @@ wandb_run_name = "run"
 # data
 batch_size = 16              # sequences per micro-step per process
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL processes
+short_iters = 0              # the first this many iterations on half-length windows (OPTIM.md)
 # model: every field of RoFormerConfig is a key too, at its default (model.py), except:
 vocab_size = 0               # 0: take it from the dataset's meta.json
 # optimizer: AdamW, or Muon (optim.py) for the hidden matrices with AdamW for the rest
@@ -211,7 +212,7 @@ if wandb_log and master:
     wandb_id = wandb.init(project=wandb_project, name=wandb_run_name, config=config, dir=out_dir,
                           **({"id": wandb_id, "resume": "allow"} if wandb_id else {})).id
 peak = mfu.peak_flops(dev.type, dtype)  # of ONE device: MFU is per device
-progress = Progress(start_iter, max_iters, tokens_per_iter,
+progress = Progress(start_iter, max_iters, tokens_seen,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
                     world, master, compiled=compile)
 if master:
@@ -232,10 +233,11 @@ while iter_num < max_iters:
     for g in opt.param_groups:
         g["lr"] = lr_factor(iter_num) * g["base_lr"]
     loss_sum = torch.zeros((), device=dev)
+    T = max(1, block_size // 2) if iter_num < short_iters else block_size  # a cheaper start
     for micro in range(local_steps):
         gstep = rank * local_steps + micro  # the global micro-step: same batches for any N
         rng = np.random.default_rng([seed, iter_num, gstep])
-        x, y = get_batch("train", rng, batch_size, block_size)
+        x, y = get_batch("train", rng, batch_size, T)
         if mconf.dropout > 0:  # dropout, also a function of the step; the step's only
             # randomness, so without it no reseed (torch.manual_seed seeds every backend)
             torch.manual_seed(int(rng.integers(2 ** 62)))
@@ -264,9 +266,9 @@ while iter_num < max_iters:
     scaler.update()
     opt.zero_grad(set_to_none=True)
     iter_num += 1
-    tokens_seen += tokens_per_iter
+    tokens_seen += tokens_per_iter * T // block_size
     if master and (iter_num % log_interval == 0 or iter_num == max_iters):
-        progress.log(iter_num, loss_sum.item() / local_steps, grad_norm.item())
+        progress.log(iter_num, tokens_seen, loss_sum.item() / local_steps, grad_norm.item())
     if stopping:
         if master:
             progress.write(f"signal received: stopping at iteration {iter_num}")

@@ -83,7 +83,7 @@ FIRST_SEED = 1337
 OWN_KEYS = {"out_dir", "dataset", "data_dir", "seed", "device", "max_iters", "lr_decay_iters",
             "warmup_iters", "eval_interval", "eval_iters", "compile", "wandb_log", "init_from"}
 # the tokens a run trains on: one arm changing them is not compared at an equal budget
-BUDGET_KEYS = {"batch_size", "block_size", "gradient_accumulation_steps"}
+BUDGET_KEYS = {"batch_size", "block_size", "gradient_accumulation_steps", "short_iters"}
 MAX_RUNS = 1000  # each run is a whole train.py run: more is days of work, surely a typo
 
 

@@ -13,26 +13,24 @@ class Progress:
     it, evaluations and saves left out (`paused`); none for a compiled run's first window (the
     compilation). MFU against a GPU's datasheet peak; above 100% the peak is wrong: n/a."""
 
-    def __init__(self, start_iter, max_iters, tokens_per_iter, flops_per_token, peak, world,
+    def __init__(self, start_iter, max_iters, start_tokens, flops_per_token, peak, world,
                  master, compiled=False):
         self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=max_iters, initial=start_iter, dynamic_ncols=True, unit="it",
                         disable=not master or not self.interactive)
         self.start_iter, self.max_iters, self.t_start = start_iter, max_iters, time.time()
-        self.tokens_per_iter = tokens_per_iter
-        # the rate's window: its start (time, iteration), seconds paused in it, rate shown?
-        self.mark, self.paused_s, self.show_rate = (self.t_start, start_iter), 0.0, not compiled
+        # the rate's window: its start (time, tokens seen), seconds paused in it, rate shown?
+        self.mark, self.paused_s, self.show_rate = (self.t_start, start_tokens), 0.0, not compiled
         # per device: the FLOPs of one device's share of the tokens over its peak (none: a CPU)
         self.mfu_per_tok = flops_per_token / world / peak if peak else None
         self.has_peak = bool(peak)
 
-    def log(self, iter_num, loss, grad_norm):
+    def log(self, iter_num, tokens, loss, grad_norm):
         now = time.time()
-        t_mark, it_mark = self.mark
+        t_mark, tokens_mark = self.mark
         seconds = now - t_mark - self.paused_s
-        tok_s = (iter_num - it_mark) * self.tokens_per_iter / seconds \
-            if self.show_rate and seconds > 0 else None
-        self.mark, self.paused_s, self.show_rate = (now, iter_num), 0.0, True
+        tok_s = (tokens - tokens_mark) / seconds if self.show_rate and seconds > 0 else None
+        self.mark, self.paused_s, self.show_rate = (now, tokens), 0.0, True
         post = {"loss": f"{loss:.4f}", "gnorm": f"{grad_norm:.3f}"}
         if tok_s:
             mfu = self.mfu_per_tok and self.mfu_per_tok * tok_s

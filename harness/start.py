@@ -24,7 +24,7 @@ from model import RoFormerConfig
 RULES = [(("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
            "log_interval", "lr_decay_iters"), lambda v: v >= 1, ">= 1"),
          (("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
-           "grad_clip"), lambda v: v >= 0, ">= 0"),
+           "grad_clip", "short_iters"), lambda v: v >= 0, ">= 0"),
          (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "in [0, 1)"),
          (("cooldown",), lambda v: 0 <= v <= 1, "in [0, 1] (0: cosine)")]
 

@@ -376,7 +376,7 @@ def test_flags_and_variants_cannot_override_what_compare_sets(tmp_path):
                 compare.main([str(tmp_path / "cfg.py"), f"--out={tmp_path / 'o'}", *argv])
             msg = str(e.value)
             assert msg.startswith("error:") and key in msg and "\n" not in msg, (argv, msg)
-    for key in ("batch_size", "block_size"):  # an unequal budget
+    for key in ("batch_size", "block_size", "short_iters"):  # an unequal budget
         with pytest.raises(SystemExit, match=f"error: .*{key}.*tokens"):
             compare.main([f"--variant={key}=64", f"--out={tmp_path / 'o'}"])
     for variant, word in [("", "empty"), ("  ", "empty"), ("n_layer=2 n_layer=3", "twice"),

@@ -48,20 +48,21 @@ def test_tokens_per_second_is_the_tokens_since_the_last_line_over_the_time_since
     """tok/s was an average of single steps' rates: two identical pairs of runs gave 1.42x and
     1.12x. Reference: the definition, tokens trained since the last line over the wall time
     since it, evaluations and saves (paused) left out; steps of unequal length, so that an
-    average of step rates differs from it."""
-    tokens_per_iter = 100
-    p = plain(Progress(0, 100, tokens_per_iter, 1e6, None, 1, True))
+    average of step rates differs from it; the first window's steps half as long in tokens (a
+    run's short start, --short_iters), so the rate counts tokens, not iterations."""
+    p = plain(Progress(0, 100, 1000, 1e6, None, 1, True))  # 1000 tokens before (a resume)
     steps = [0.1, 0.3, 2.0, 0.1, 0.5, 0.5, 1.2, 0.2, 0.1, 0.4]  # seconds per step
     with p.paused():
         clock.now += 50.0  # the evaluation at iteration 0
-    rates, lines = [], []
-    for it, window in ((5, steps[:5]), (10, steps[5:])):
+    rates, lines, tokens = [], [], 1000
+    for it, window, tokens_per_iter in ((5, steps[:5], 50), (10, steps[5:], 100)):
         for k, dt in enumerate(window):
             clock.now += dt
             if k == 2:
                 with p.paused():
                     clock.now += 30.0  # an evaluation and a save inside the window
-        p.log(it, 1.0, 1.0)
+        tokens += len(window) * tokens_per_iter
+        p.log(it, tokens, 1.0, 1.0)
         rates.append(len(window) * tokens_per_iter / sum(window))
         lines.append(capsys.readouterr().out.strip())
     for line, want in zip(lines, rates):
@@ -72,11 +73,11 @@ def test_tokens_per_second_is_the_tokens_since_the_last_line_over_the_time_since
 
 def test_with_compile_the_first_window_shows_no_rate(clock, capsys):
     """The first window holds the compilation: its rate would be a fraction of the run's."""
-    p = plain(Progress(0, 100, 100, 1e6, None, 1, True, compiled=True))
+    p = plain(Progress(0, 100, 0, 1e6, None, 1, True, compiled=True))
     clock.now += 60.0
-    p.log(1, 1.0, 1.0)
+    p.log(1, 100, 1.0, 1.0)
     clock.now += 1.0
-    p.log(2, 1.0, 1.0)
+    p.log(2, 200, 1.0, 1.0)
     first, second = capsys.readouterr().out.strip().splitlines()
     assert "tok/s" not in first and "tok/s 100," in second + ",", (first, second)
 
@@ -87,12 +88,12 @@ def test_mfu_is_the_flops_of_one_device_over_its_peak_and_never_above_100_percen
     flops_per_token, tokens_per_iter, peak = 1e6, 100, 1e9
     for world in (1, 2):
         for doing, shown in ((0.5, "mfu 50.0%"), (2.0, "mfu n/a")):  # FLOP/s done / peak
-            p = plain(Progress(0, 10, tokens_per_iter, flops_per_token, peak, world, True))
+            p = plain(Progress(0, 10, 0, flops_per_token, peak, world, True))
             dt = tokens_per_iter * flops_per_token / world / (doing * peak)  # a step's time
             capsys.readouterr()
             for it in range(1, 6):
                 clock.now += dt
-                p.log(it, 1.0, 1.0)
+                p.log(it, it * tokens_per_iter, 1.0, 1.0)
             out = capsys.readouterr().out
             assert shown in out.splitlines()[-1], out
             assert "%" not in out.replace("100%", "").replace("50.0%", "")

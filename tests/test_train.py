@@ -316,6 +316,34 @@ def test_resume_is_exact(data, tmp_path):
     assert abs(log(a)[-1]["val_loss"] - log(b)[-1]["val_loss"]) < 1e-6
 
 
+def test_short_iters_draw_half_windows_first_and_resume_exactly(data, tmp_path):
+    """--short_iters=N: the first N iterations draw windows of block_size // 2 tokens (as many
+    windows), the rest full ones; tokens are counted as drawn (log.jsonl), and a run stopped
+    before the switch and resumed after it ends where an unbroken one does. Reference: the token
+    ids' shapes the embedding saw in training (a sitecustomize hook), and the count by hand."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, torch\n"
+        "_forward = torch.nn.Embedding.forward\n"
+        "def forward(self, idx):\n"
+        "    if self.training:\n"
+        "        with open(os.environ['SHAPES'], 'a') as f:\n"
+        "            f.write(f'{tuple(idx.shape)}\\n')\n"
+        "    return _forward(self, idx)\n"
+        "torch.nn.Embedding.forward = forward\n")
+    common = [f"--data_dir={data}", *TINY, "--dtype=float32", "--short_iters=3",
+              "--eval_interval=100"]
+    a, b, shapes = str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "shapes.txt"
+    train(*common, f"--out_dir={a}", "--max_iters=5", PYTHONPATH=str(site), SHAPES=str(shapes))
+    assert shapes.read_text().splitlines() == ["(4, 16)"] * 3 + ["(4, 32)"] * 2
+    assert log(a)[-1]["tokens"] == 4 * (16 * 3 + 32 * 2)
+    train(*common, f"--out_dir={b}", "--max_iters=2")
+    train(*common, f"--out_dir={b}", "--max_iters=5", "--init_from=resume")
+    assert log(b)[-1]["tokens"] == log(a)[-1]["tokens"]
+    assert max_diff(load(a)["model"], load(b)["model"]) < 1e-6
+
+
 def test_resume_runs_this_commands_settings_and_records_what_ran(data, tmp_path):
     """Resuming with other optimizer settings must run them: load_state_dict used to bring
     back the checkpoint's weight_decay and betas while the new checkpoint's config claimed the
@@ -514,6 +542,7 @@ def test_compile_trains_on_cpu(data, tmp_path):
     (["--dataset=shakespeare_char"], "python data/shakespeare/prepare.py --char"),
     (["--n_embd=30", "--n_head=4", "DATA"], "divisible"),
     (["--init_from=resume", "DATA"], "does not exist"),
+    (["--short_iters=-1", "DATA"], "short_iters must be >= 0, got -1"),
 ])
 def test_config_errors_are_one_line(args, message, data, tmp_path):
     args = [f"--data_dir={data}" if a == "DATA" else a for a in args]
