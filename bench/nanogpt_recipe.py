@@ -165,7 +165,8 @@ class TargetRun:
 
     def __init__(self, kind, vocab_size, args):
         torch.manual_seed(args["seed"])  # the same initial draw for every run
-        if kind == "nanoGPT, AdamW":
+        ours = kind != "nanoGPT, AdamW"  # the --ours_* options are for our two runs only
+        if not ours:
             self.model = recipe_model("learned", vocab_size)
             self.opt = plain_optimizer(self.model)
         else:
@@ -175,17 +176,17 @@ class TargetRun:
                                        name=kind.split(", ")[1].lower(), muon_lr=args["muon_lr"],
                                        bf16=native_bf16("cpu"))  # as train.py builds it
         self.kind, self.gen = kind, np.random.default_rng(args["seed"])
-        bf16 = kind != "nanoGPT, AdamW" and args.get("ours_dtype") == "bfloat16"  # resolved
+        bf16 = ours and args.get("ours_dtype") == "bfloat16"  # resolved
         self.autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=bf16)
         # the schedule: nanoGPT's recipe, or for ours its own (--ours_iters, _warmup, _cooldown)
         self.total_iters, self.warmup, self.cooldown = args["target_iters"], WARMUP, 0.0
-        if kind != "nanoGPT, AdamW" and args.get("ours_iters"):
+        if ours and args.get("ours_iters"):
             self.total_iters = args["ours_iters"]
             self.warmup, self.cooldown = args["ours_warmup"], args["ours_cooldown"]
         self.it, self.seconds, self.curve = 0, 0.0, []  # curve: (iteration, seconds, val loss)
-        # --ours_short: the first iterations on shorter windows (ours only)
-        self.short = (args.get("ours_short", 0), args.get("ours_short_block")) \
-            if kind != "nanoGPT, AdamW" else (0, None)
+        # --ours_short: the first iterations on shorter windows
+        self.short = (args.get("ours_short", 0), args.get("ours_short_block")) if ours else \
+            (0, None)
 
     def train(self, data, n):
         t0 = time.perf_counter()
@@ -231,8 +232,8 @@ def ours_schedule(args):
             f"{args['ours_warmup']}, {decay} to lr/10")
 
 
-def target(threads, args):
-    torch.set_num_threads(threads)
+def check_ours(args):
+    """Resolve --ours_dtype, refuse what cannot run, in one line each."""
     try:  # "auto" as train.py resolves it; nothing else that train.py refuses on a CPU
         args["ours_dtype"] = pick_device("cpu", args["ours_dtype"], training=True)[1]
     except UserError as e:
@@ -240,6 +241,11 @@ def target(threads, args):
     if args["ours_short"] < 0 or not 1 <= args["ours_short_block"] <= RECIPE["block_size"]:
         sys.exit(f"error: --ours_short must be >= 0 and --ours_short_block in 1.."
                  f"{RECIPE['block_size']}, got {args['ours_short']} and {args['ours_short_block']}")
+
+
+def target(threads, args):
+    torch.set_num_threads(threads)
+    check_ours(args)
     text = char_text(args)
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
