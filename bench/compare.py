@@ -16,11 +16,14 @@ Arms. The base runs the working tree (uncommitted edits included), or the code a
                           the noise floor, and its interval should cover 0.
 Each code version is materialised once under DIR/code/ (git archive for a revision, a copy of
 the tracked and untracked-but-not-ignored files for the working tree, plus git apply for a
-patch): the user's checkout is only read.
+patch): the user's checkout is only read. The tree's copy and every version's identity leave
+out what no run reads (tests/, docs/, bench/, *.md) and --out's own files (--out may lie in
+the tree, not ignored): a second invocation is the same code, and the folder does not grow.
 
 Budget and data. Every run is train.py (a subprocess, in its arm's code) with the same
 max_iters, batch and schedule (lr_decay_iters = max_iters), on DIR/data/<id>: the dataset's
-train.bin and the first --eval_tokens tokens of its val.bin. Seeds are 1337, 1338, ...: train.py
+train.bin and the first --eval_tokens tokens of its val.bin, and the config file as read at
+the start (DIR/config/: an edit while compare runs changes no run). Seeds are 1337, 1338, ...: train.py
 draws batches and the init from the seed, so equal seeds mean equal batches in every arm. Runs
 are interleaved seed-major (seed 1 of every arm, then seed 2, ...) so that a change in machine
 load falls on all arms alike.
@@ -29,7 +32,10 @@ Scoring. After training, eval.py --split=val (the arm's own eval.py, so a change
 scores the whole held-out slice in float32: the same tokens for every arm and seed, as nats
 per token and bits per byte. (train.py's final val would be the same tokens only per seed, and
 has no bytes.) train.py's periodic val on the same slice gives the curves and the wall time
-each arm needs to reach the base's final loss.
+each arm needs to reach the base's final loss. Only runs that reached the budget are scored: a
+train.py stopped by a signal saves and exits 0 short of max_iters, and its arm is refused in
+one line (the same command again trains it anew); an arm whose runs drew other tokens than
+the base's is refused too.
 
 Statistics. Per arm: mean and std over seeds; against the base, a paired t-test on the
 per-seed differences: the seed fixes the init and every batch in both arms, so the pair shares
@@ -39,18 +45,21 @@ beta), no scipy. With n seeds it has n-1 degrees of freedom: 3 seeds give a wide
 (t = 4.30); small effects need more seeds. The 'base' variant has other seeds, so it is not
 paired with the base: its paired test only gives a noise floor.
 
-Output, under --out: results.json (one record per arm), results.md (the table), compare.png
-(loss against tokens and against wall time: mean over seeds, min-max band), runs/<arm>-<hash>_sSEED
+Output, under --out: results.json (one record per arm), results.md (the table, tokens per run,
+the timings marked "within noise" where their per-seed ratios' 95% interval covers 1x, and the
+per-seed differences), compare.png (the differences from the base, same seed: along training
+and of the held-out score), runs/<arm>-<hash>_sSEED
 (named by what the arm is, not its place in the list). A finished run is reused while nothing
-that decides it changed (its code, the config file's contents, the data, the flags); otherwise,
-or when interrupted, it is trained again and a line says why (--retrain for all). So seeds
+that decides it changed (its code file by file, the config file's contents, the data, the
+flags); otherwise, or when interrupted, it is trained again and a line says why, naming a
+changed code file (--retrain for all). Before the report every run's key and record are read
+again: a folder another process retrained meanwhile is refused. So seeds
 split over processes or machines (each its own --out, --first_seed and --seeds) report together:
 copy their runs/ folders into one --out and run there with all the seeds. A variant
 that fails (an unknown key, a patch that does not apply, a crash) is reported in one line and
 the other arms finish. Extra --key=value arguments go to every train.py run; neither they nor a
-variant may set what compare sets itself (OWN_KEYS).
+variant may set what compare sets itself (OWN_KEYS), nor the config file init_from.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -68,6 +77,8 @@ import lab_runs as bench_runs  # noqa: E402  (the run-folder helpers, shared wit
 from lab_runs import (code_identity, iteration_of, last_error, materialise,  # noqa: E402
                   patched_code, revision_code, run_logged, worktree_code)
 from compare_report import report  # noqa: E402
+import compare_args  # noqa: E402
+from compare_args import parse_keys  # noqa: E402
 from harness.common import UserError, cli  # noqa: E402
 
 # The default model and budget when no config file is given: config/small.py's recipe, smaller
@@ -76,112 +87,14 @@ DEFAULT_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "b
                  "dropout": 0.0, "optimizer": "muon", "muon_lr": 0.04, "learning_rate": 2e-3,
                  "min_lr": 2e-4, "weight_decay": 0.1}
 NOISE_SEED_OFFSET = 10000  # the 'base' variant's seeds: other batches and init than the base's
-FIRST_SEED = 1337
-# train.py keys compare sets on every run (train_command), and init_from (another start is
-# another measurement): a flag or variant that changed them would make the report lie (a
-# --seed=5 after ours made every "seed" one run)
-OWN_KEYS = {"out_dir", "dataset", "data_dir", "seed", "device", "max_iters", "lr_decay_iters",
-            "warmup_iters", "eval_interval", "eval_iters", "compile", "wandb_log", "init_from"}
-# the tokens a run trains on: one arm changing them is not compared at an equal budget
-BUDGET_KEYS = {"batch_size", "block_size", "gradient_accumulation_steps", "short_iters"}
-MAX_RUNS = 1000  # each run is a whole train.py run: more is days of work, surely a typo
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="?", default="", help="a train.py config file (optional)")
-    ap.add_argument("--variant", action="append", default=[],
-                    help="'KEY=VALUE ...', patch:FILE or base (repeat for several)")
-    ap.add_argument("--against", default="", help="the base runs this git revision's code")
-    ap.add_argument("--seeds", type=int, default=3, help="runs per arm: --first_seed, +1, ...")
-    ap.add_argument("--first_seed", type=int, default=FIRST_SEED,
-                    help="the first seed, 1337 (to split seeds over processes: see above)")
-    ap.add_argument("--max_iters", type=int, default=300)
-    ap.add_argument("--eval_interval", type=int, default=0, help="default: max_iters // 4")
-    ap.add_argument("--eval_iters", type=int, default=4, help="train.py's periodic val batches")
-    ap.add_argument("--eval_tokens", type=int, default=16384, help="held-out tokens scored")
-    ap.add_argument("--dataset", default="pystdlib")
-    ap.add_argument("--data_dir", default="", help="default: data/<dataset>")
-    ap.add_argument("--device", default="auto", help="as train.py: cuda where there is one")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "compare"))
-    ap.add_argument("--retrain", action="store_true", help="ignore finished runs in --out")
-    args, extra = ap.parse_known_args(argv)
-    for a in extra:
-        if not (a.startswith("--") and "=" in a):
-            raise UserError(f"unexpected argument {a!r} (train.py options go as --key=value)")
-    args.train_extra = extra
-    if args.seeds < 1 or args.first_seed < 0 or args.max_iters < 1 or args.eval_tokens < 2:
-        raise UserError("need --seeds >= 1, --first_seed >= 0, --max_iters >= 1 and "
-                        "--eval_tokens >= 2")
-    n_arms = 1 + bool(args.against) + len(args.variant)
-    if args.seeds * n_arms > MAX_RUNS:
-        raise UserError(f"--seeds={args.seeds} x {n_arms} arm{'s' * (n_arms > 1)} is "
-                        f"{args.seeds * n_arms:,} train.py runs (at most {MAX_RUNS}): give "
-                        "fewer seeds")
-    check_keys(args)
-    args.eval_interval = args.eval_interval or max(1, args.max_iters // 4)
-    if args.config and not os.path.isfile(args.config):
-        raise UserError(f"config file not found: {args.config}")
-    args.config = os.path.abspath(args.config) if args.config else ""
-    args.out = os.path.abspath(args.out)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise UserError(f"--out={args.out} is a file, not a folder")
-    args.src_data = os.path.abspath(args.data_dir or os.path.join(ROOT, "data", args.dataset))
-    args.threads = run_threads()
-    return args
-
-
-def run_threads():
-    """OMP_NUM_THREADS for every run, chosen once: the user's, else train.py's rule (the cores
-    other processes keep busy now are left to them, since a torch thread waiting for a core
-    stalls every step: docs/COMPARE.md) applied here at the start. One count for all runs, so
-    that arms run alike: train.py choosing per run, by the load at each start, would make the
-    tokens/s ratios compare thread counts."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return os.environ["OMP_NUM_THREADS"]
-    from harness.device import busy_cores, fewer_threads, usable_cores
-    cores, busy = usable_cores(), busy_cores()
-    return str(fewer_threads(cores, cores, busy or 0) if cores else 1)
-
-
-def check_keys(args):
-    """Refuse, in one line, extra flags and variant keys that would override compare's own
-    settings, empty variants, and a key given twice in one variant."""
-    for a in args.train_extra:
-        key = a[2:].partition("=")[0]
-        if key in OWN_KEYS:
-            raise UserError(f"{a}: compare sets {key} itself for every run (the pairing and the "
-                            "budget depend on it); see --help")
-    for spec in args.variant:
-        if not spec.strip():
-            raise UserError("--variant='': an empty variant (give KEY=VALUE ..., patch:FILE "
-                            "or base)")
-        if spec in ("base", "worktree") or spec.startswith("patch:"):
-            continue
-        for key in parse_keys(spec):
-            if key in OWN_KEYS | BUDGET_KEYS:
-                why = ("compare sets it itself for every run" if key in OWN_KEYS else
-                       "it changes the tokens a run trains on: arms are compared at equal "
-                       f"tokens (give --{key}=... to every arm)")
-                raise UserError(f"--variant={spec!r}: {key}: {why}")
+    return compare_args.parse_args(argv, __doc__)
 
 
 # ----------------------------------------------------------------------------------------
 # code versions and arms
-
-def parse_keys(spec):
-    keys = {}
-    for item in spec.split():
-        k, eq, v = item.partition("=")
-        k = k.removeprefix("--")
-        if not eq or not k:
-            raise UserError(f"--variant={spec!r}: expected KEY=VALUE items, got {item!r}")
-        if k in keys:
-            raise UserError(f"--variant={spec!r}: {k} is given twice")
-        keys[k] = v
-    return keys
-
 
 def plan_arms(args):
     """[{name, code, keys, seed_offset, broken}], the base first. A variant whose code cannot
@@ -210,6 +123,8 @@ def plan_arms(args):
         label = ("patch-" + os.path.basename(what) if what.startswith("patch:")
                  else what.replace("=", "-"))
         arm["folder"] = bench_runs.folder_name(what, label)
+        # what its runs read, taken now: part of every run's key (names a changed file)
+        arm["identity"] = code_identity(arm["code"], skip=args.out) if not arm["broken"] else {}
     if len({a["folder"] for a in arms}) < len(arms):
         raise UserError("the same variant is given twice")
     return arms
@@ -271,35 +186,48 @@ def train_command(args, run, data):
                  "compile": False, "wandb_log": False})
     # the config file first, then ours, the user's extra flags, and the variant's keys last
     return ([sys.executable, os.path.join(arm["code"], "train.py")]
-            + ([args.config] if args.config else []) + [f"--{k}={v}" for k, v in keys.items()]
+            + ([config_snapshot(args)] if args.config else [])
+            + [f"--{k}={v}" for k, v in keys.items()]
             + list(args.train_extra) + [f"--{k}={v}" for k, v in arm["keys"].items()])
 
 
+def config_snapshot(args):
+    """DIR/config/<hash>-<name>: the config file as compare read it at the start, which every
+    run trains on (train.py reads the file it is given: an edit while compare runs would
+    otherwise mix two configurations in one comparison)."""
+    name = f"{args.config_sha[:12]}-{os.path.basename(args.config)}"
+    path = os.path.join(args.out, "config", name)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            f.write(args.config_bytes)
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def run_key(args, run, cmd, data):
-    """Everything that decides a run: its code, the config file's contents (not its path), the
-    data (the held-out folder's name is a hash of it) and every other flag."""
-    config = ""
-    if args.config:
-        with open(args.config, "rb") as f:
-            config = hashlib.sha256(f.read()).hexdigest()
-    paths = (f"--out_dir={run['dir']}", f"--data_dir={data}", args.config)
-    return {"code": code_identity(run["arm"]["code"]), "config file": config,
+    """Everything that decides a run: its code (what its runs read, file by file), the config
+    file's contents as read at the start (not its path), the data (the held-out folder's name
+    is a hash of it) and every other flag."""
+    paths = (f"--out_dir={run['dir']}", f"--data_dir={data}",
+             config_snapshot(args) if args.config else None)
+    return {"code": run["arm"]["identity"], "config file": args.config_sha,
             "data": os.path.basename(data), "flags": [a for a in cmd[2:] if a not in paths]}
 
 
 def train_and_score(args, run, data, progress=None):
     """Train (unless finished with the same key) and score one run; its record in
-    run['result'], or a one-line reason in run['arm']['broken']."""
+    run['result'] and its key in run['key'], or a one-line reason in run['arm']['broken']."""
     arm, cmd = run["arm"], train_command(args, run, data)
-    key = run_key(args, run, cmd, data)
+    run["key"] = key = run_key(args, run, cmd, data)
     stats_path = os.path.join(run["dir"], "compare_run.json")
     why = "--retrain" if args.retrain else bench_runs.stale(run["dir"], key, args.max_iters)
     if why is None and os.path.exists(stats_path):
         with open(stats_path) as f:
             run["result"] = json.load(f)
         return "reused"
+    say = progress.write if progress else print
     if why not in (None, "new", "--retrain"):  # the user asked for --retrain: no line a run
-        say = progress.write if progress else print
         say(f"{arm['name']} seed {run['seed']}: trained again ({why})")
     shutil.rmtree(run["dir"], ignore_errors=True)  # a stale or interrupted run of ours
     os.makedirs(run["dir"])
@@ -308,32 +236,50 @@ def train_and_score(args, run, data, progress=None):
         it = iteration_of(line)
         if progress and it is not None:
             progress.at(it)
-    on_line("iter 0")
+    if progress:  # train.py starts torch and builds the model before its first line
+        progress.phase("starting train.py")
     env = dict(os.environ, OMP_NUM_THREADS=args.threads)
     rc, rss = run_logged(cmd, arm["code"], os.path.join(run["dir"], "train.out"), on_line, env)
+    log = bench_runs.read_log(run["dir"])
     if rc:
         arm["broken"] = f"train.py failed (exit {rc}): {last_error(os.path.join(run['dir'], 'train.out'))}"
         return "failed"
-    score_out = os.path.join(run["dir"], "eval.out")
-    rc, _ = run_logged([sys.executable, os.path.join(arm["code"], "eval.py"),
-                        f"--out_dir={run['dir']}", "--split=val", "--json=True",
-                        f"--device={args.device}", "--dtype=float32"], arm["code"], score_out,
-                       env=env)
-    if rc:
-        arm["broken"] = f"eval.py failed (exit {rc}): {last_error(score_out)}"
+    if not log or log[-1]["iter"] != args.max_iters:  # a signal: train.py saves and exits 0
+        it, tokens = (log[-1]["iter"], log[-1]["tokens"]) if log else (0, 0)
+        arm["broken"] = (f"train.py stopped at iteration {it} of {args.max_iters} ({tokens:,} "
+                         "tokens) and exited 0 (a signal?): not scored; run the same command "
+                         "again to train it anew")
         return "failed"
-    with open(score_out) as f:
-        score = json.loads([ln for ln in f if ln.startswith("{")][-1])
-    log = bench_runs.read_log(run["dir"])
+    if progress:
+        progress.phase(f"scoring {args.eval_tokens:,} held-out tokens (eval.py)")
+    score = score_run(args, run, env)
+    if score is None:
+        return "failed"
     run["result"] = {"seed": run["seed"], "loss": score["nats_per_token"],
                      "bpb": score["bits_per_byte"], "scored_tokens": score["tokens"],
-                     "tokens": log[-1]["tokens"], "train_s": log[-1]["time_s"],
+                     "iters": log[-1]["iter"], "tokens": log[-1]["tokens"],
+                     "train_s": log[-1]["time_s"],
                      "tokens_per_s": log[-1]["tokens"] / log[-1]["time_s"],
                      "peak_rss_mib": rss, "params": count_params(run["dir"]),
                      "threads": args.threads}
     bench_runs.write_atomic(stats_path, json.dumps(run["result"]))
     bench_runs.write_atomic(os.path.join(run["dir"], "run_key.json"), json.dumps(key))  # last
     return "trained"
+
+
+def score_run(args, run, env):
+    """eval.py's JSON line for the finished run (the arm's own eval.py, float32, the whole
+    held-out slice), or None with the reason in the arm's 'broken'."""
+    arm, score_out = run["arm"], os.path.join(run["dir"], "eval.out")
+    rc, _ = run_logged([sys.executable, os.path.join(arm["code"], "eval.py"),
+                        f"--out_dir={run['dir']}", "--split=val", "--json=True",
+                        f"--device={args.device}", "--dtype=float32"], arm["code"], score_out,
+                       env=env)
+    if rc:
+        arm["broken"] = f"eval.py failed (exit {rc}): {last_error(score_out)}"
+        return None
+    with open(score_out) as f:
+        return json.loads([ln for ln in f if ln.startswith("{")][-1])
 
 
 def count_params(run_dir):
@@ -361,6 +307,31 @@ def train_all(args, runs, data):
     bar.close()
 
 
+def check_runs(args, runs):
+    """Before reporting: every scored run's key and record, read again from its folder, are the
+    ones this comparison made or reused (another compare writing to the same --out retrains a
+    folder under another key), and a note when the config file changed meanwhile (the runs
+    trained on the snapshot: the comparison holds, the file no longer says what it measured)."""
+    for run in (r for r in runs if "result" in r):
+        found = {}
+        for name in ("run_key.json", "compare_run.json"):
+            try:
+                with open(os.path.join(run["dir"], name)) as f:
+                    found[name] = json.load(f)
+            except (OSError, ValueError):
+                found[name] = None
+        key = json.loads(json.dumps(run["key"]))  # as JSON reads it back (tuples as lists)
+        old = found["run_key.json"] or {}
+        parts = [p for p in key if old.get(p) != key[p]]
+        if parts or found["compare_run.json"] != run["result"]:
+            raise UserError(f"{run['dir']} changed while this compare ran (its "
+                            f"{', '.join(parts) or 'result'} is not this comparison's): another "
+                            "process wrote there; give each compare its own --out")
+    if args.config and bench_runs.content("", args.config) != args.config_bytes:
+        print(f"note: {args.config} changed while compare ran; every run trained on its "
+              f"contents at the start ({config_snapshot(args)})")
+
+
 @cli
 def main(argv):
     args = parse_args(argv)
@@ -376,6 +347,7 @@ def main(argv):
         "OMP_NUM_THREADS") else "the cores free at the start; set OMP_NUM_THREADS to choose")
         + ")")
     train_all(args, runs, data)
+    check_runs(args, runs)
     if arms[0]["broken"]:
         raise UserError(f"the base is broken: {arms[0]['broken']}")
     return report(args, argv, arms, runs, t0)

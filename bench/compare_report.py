@@ -194,7 +194,7 @@ def plot(args, arms, runs, records):
     curves.set_xlabel("training tokens")
     curves.set_ylabel("Δ val loss vs base, same seed (nats/token)")
     final.set_xticks(range(1, len(shown) + 1), [a["name"] for a, _ in shown], rotation=15)
-    final.set_xlim(0.5, len(shown) + 0.5)
+    final.set_xlim(0.5, max(1, len(shown)) + 0.5)
     final.set_ylabel("Δ held-out loss vs base (nats/token)")
     for ax in (curves, final):
         ax.grid(alpha=0.3)

@@ -56,7 +56,8 @@ def stale(run_dir, key, max_iters):
             old = json.load(f)
     except (OSError, ValueError):
         return "interrupted" if os.path.isdir(run_dir) else "new"
-    changed = [part for part in key if old.get(part) != key[part]]
+    changed = [changed_part(part, old.get(part), key[part]) for part in key
+               if old.get(part) != key[part]]
     if changed:
         return "its " + ", ".join(changed) + " changed since it was trained"
     log = read_log(run_dir)
@@ -64,6 +65,15 @@ def stale(run_dir, key, max_iters):
             and log[-1]["iter"] >= max_iters):
         return "interrupted"
     return None
+
+
+def changed_part(part, old, new):
+    """A key's part that changed, with the files that changed where it holds file hashes (the
+    code: 'code (model.py)'), so that a retrain says which edit caused it."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return part
+    files = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
+    return f"{part} ({', '.join(files[:3])}{', ...' if len(files) > 3 else ''})"
 
 
 def folder_name(identity, label):
@@ -75,9 +85,10 @@ def folder_name(identity, label):
 
 class RunsProgress:
     """Iterations over a list of runs, as they train: a tqdm bar on a terminal, else a plain
-    line at most every `every` seconds, with an estimate of the time left for all the runs."""
+    line at most every `every` seconds, with an estimate of the time left for all the runs;
+    and each silent step of a run (phase) as it starts."""
 
-    def __init__(self, n_runs, max_iters, every=30.0):
+    def __init__(self, n_runs, max_iters, every=10.0):
         self.n_runs, self.max_iters, self.every = n_runs, max_iters, every
         self.done, self.trained_iters, self.t_train, self.said = 0, 0, 0.0, 0.0
         self.tty = sys.stderr.isatty()
@@ -89,6 +100,13 @@ class RunsProgress:
         self.what, self.it, self.t_run = f"run {k + 1}/{self.n_runs}: {what}", 0, time.time()
         self.bar.set_description(self.what)
         self.said = 0.0  # a plain line as each run starts, then every `every` seconds
+
+    def phase(self, text):
+        """The run in flight starts a step that prints nothing for seconds (train.py's start,
+        eval.py's scoring): said at once, on the bar or as a line."""
+        self.bar.set_description(f"{self.what}: {text}")
+        if not self.tty:
+            print(f"{self.what}: {text}", flush=True)
 
     def at(self, it):
         """The run in flight is at iteration it."""
@@ -151,25 +169,57 @@ def revision_code(out, rev):
                        lambda d: tarfile.open(fileobj=io.BytesIO(tar)).extractall(d, **safe))
 
 
+# What no train.py or eval.py run reads: left out of a working tree's copy and of every code
+# version's identity, so that an edit there (a test, a doc, the lab itself) retrains nothing. A
+# file a run does read, left out, fails that run loudly (not found), never silently.
+NOT_READ_DIRS = {"tests", "docs", "bench", ".ci", ".git", "__pycache__"}
+NOT_READ_SUFFIXES = (".md", ".png", ".pyc")
+
+
+def run_reads(path):
+    """Whether a run may read `path` (relative to the code's root, '/'-separated)."""
+    parts = path.split("/")
+    return not (set(parts[:-1]) & NOT_READ_DIRS or parts[0] in NOT_READ_DIRS
+                or path.endswith(NOT_READ_SUFFIXES))
+
+
+def inside(path, folder):
+    """Whether path lies in folder (both absolute)."""
+    return os.path.commonpath([path, folder]) == folder
+
+
 def worktree_code(out):
     """A copy of the working tree as it is now (tracked and untracked files git does not
-    ignore), named by a hash of the contents: an edit makes a new copy, and new runs."""
+    ignore, less what no run reads and --out's own files, which sit in the tree when --out does
+    and are not ignored), named by a hash of the contents: an edit makes a new copy."""
     try:
-        files = sorted(f for f in git("ls-files", "-z", "-co", "--exclude-standard",
-                                      text=True).split("\0")
-                       if f and os.path.isfile(os.path.join(ROOT, f)))
+        listed = git("ls-files", "-z", "-co", "--exclude-standard", text=True).split("\0")
     except (subprocess.CalledProcessError, OSError):
         return ROOT  # not a git checkout: the tree itself
-    h = hashlib.sha256()
-    for f in files:
-        with open(os.path.join(ROOT, f), "rb") as fh:
-            h.update(f.encode() + b"\0" + hashlib.sha256(fh.read()).digest())
+    out = os.path.abspath(out)
+    files = sorted(f for f in listed if f and run_reads(f)
+                   and os.path.isfile(os.path.join(ROOT, f))
+                   and not inside(os.path.join(ROOT, f), out))
+    name = "tree-" + manifest_hash(file_hashes(ROOT, files))
 
     def copy(d):
         for f in files:
             os.makedirs(os.path.dirname(os.path.join(d, f)), exist_ok=True)
             shutil.copy2(os.path.join(ROOT, f), os.path.join(d, f))
-    return materialise(os.path.join(out, "code", "tree-" + h.hexdigest()[:12]), copy)
+    return materialise(os.path.join(out, "code", name), copy)
+
+
+def file_hashes(root, files):
+    """{file: a hash of its bytes} for the files (relative to root)."""
+    hashes = {}
+    for f in files:
+        with open(os.path.join(root, f), "rb") as fh:
+            hashes[f] = hashlib.sha256(fh.read()).hexdigest()[:16]
+    return hashes
+
+
+def manifest_hash(hashes):
+    return hashlib.sha256(json.dumps(hashes, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def content(root, name):
@@ -208,18 +258,19 @@ def patched_code(out, base_code, patch):
     return materialise(os.path.join(out, "code", name), fill)
 
 
-def code_identity(code):
-    """What identifies a code version: its copy's name (a hash of its files, a commit, a patch's
-    hash), or for a tree that is not a git checkout (run in place) a hash of its Python files."""
-    if code != ROOT:
-        return os.path.basename(code)
-    h = hashlib.sha256()
-    for d, dirs, files in os.walk(ROOT):  # top-down, in the order of the sorted dirs
-        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "results")
-        for f in sorted(x for x in files if x.endswith(".py")):
-            with open(os.path.join(d, f), "rb") as fh:
-                h.update(os.path.relpath(os.path.join(d, f), ROOT).encode() + fh.read())
-    return "tree-" + h.hexdigest()[:12]
+def code_identity(code, skip=None):
+    """What identifies a code version: {file: hash} of the files its runs read (so a retrain
+    can name the file that changed), walked in its copy; for a tree that is not a git checkout
+    (run in place) its Python files, less the folder `skip` (--out, when it lies inside)."""
+    in_place, found = code == ROOT, []
+    for d, dirs, files in os.walk(code):  # top-down: the folders left out are not entered
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and not (
+            skip and inside(os.path.join(d, x), os.path.abspath(skip))))
+        for f in files:
+            rel = os.path.relpath(os.path.join(d, f), code).replace(os.sep, "/")
+            if run_reads(rel) and (f.endswith(".py") or not in_place):
+                found.append(rel)
+    return file_hashes(code, sorted(found))
 
 
 # ----------------------------------------------------------------------------------------

@@ -232,10 +232,11 @@ def fake_args(tmp_path, *argv):
 
 
 def fake_arms(tmp_path, args, code="tree-aaaa"):
-    """plan_arms with the working tree's copy stubbed by a folder named like one (the keying and
-    naming read only the copy's name; no tree is copied)."""
+    """plan_arms with the working tree's copy stubbed by a folder named like one, holding one
+    file that says which (no tree is copied)."""
     folder = tmp_path / "out" / "code" / code
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.py").write_text(f"# the code {code}\n")  # the identity hashes the files
     real = compare.worktree_code
     compare.worktree_code = lambda out: str(folder)
     try:
@@ -286,8 +287,11 @@ def test_a_finished_run_is_retrained_when_anything_that_decides_it_changed(tmp_p
     arms = fake_arms(tmp_path, args)
     assert once(args, arms)[0] == 1
     assert once(args, arms)[0] == 0  # finished with the same everything: reused
-    # the config file edited in place: same path, other contents
+    # the config file edited in place: same path, other contents, and compare run again (one
+    # invocation trains on the contents it read at its start)
     (tmp_path / "cfg.py").write_text("n_layer = 2\n")
+    args = fake_args(tmp_path)
+    arms = fake_arms(tmp_path, args)
     trained, said = once(args, arms)
     assert trained == 1 and "config" in said.out + said.err
     assert once(args, arms)[0] == 0

@@ -99,7 +99,30 @@ def one_line_error(e):
 
 
 # ----------------------------------------------------------------------------------------
-# 1. tokens per arm, and an unequal budget refused
+# 1. a run stopped early is not scored; tokens per arm, and an unequal budget refused
+
+def test_a_run_stopped_early_is_not_scored_as_finished(tmp_path, monkeypatch, capsys):
+    """train.py signalled mid-run saves and exits 0, its log ending at the iteration it reached
+    (here 1 of 4): that arm is refused in one line that names the iteration and the way out,
+    and nothing of it is reported as a difference."""
+    trainer = ScriptedTrainer({("n_layer=2", 1338): {"iters": 1}})
+    records = run_main(tmp_path, monkeypatch, trainer, "--seeds=2", "--variant=n_layer=2")
+    out = capsys.readouterr().out
+    broken = records["n_layer=2"]["broken"]
+    assert broken and "stopped at iteration 1 of 4" in broken and "again" in broken, broken
+    assert "loss_diff" not in records["n_layer=2"]
+    assert all(r["iters"] == 4 for r in records["base"]["runs"])
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:") and "n_layer=2" in ln]
+    assert len(errors) == 1 and "iteration 1 of 4" in errors[0], out
+    md = open(tmp_path / "out" / "results.md").read()
+    assert "| n_layer=2 | 1 | broken: train.py stopped at iteration 1 of 4" in md, md
+    # the base stopped (another --out): no comparison at all, one line
+    trainer = ScriptedTrainer({("base", 1337): {"iters": 2}})
+    (tmp_path / "b").mkdir()
+    with pytest.raises(SystemExit) as e:
+        run_main(tmp_path / "b", monkeypatch, trainer, "--seeds=1", "--variant=n_layer=3")
+    assert "the base is broken: train.py stopped at iteration 2 of 4" in one_line_error(e)
+
 
 def test_an_arm_on_other_tokens_is_refused_and_tokens_shown_per_arm(tmp_path, monkeypatch):
     """Every iteration reached, but the variant's runs drew half the tokens (as a patch changing
@@ -114,6 +137,120 @@ def test_an_arm_on_other_tokens_is_refused_and_tokens_shown_per_arm(tmp_path, mo
     assert rows["arm"][2] == "tokens/run"
     assert rows["base"][2] == rows["n_layer=3"][2] == "256"
     assert "broken: trained on 128 tokens per run" in " | ".join(rows["n_layer=2"])
+
+
+# ----------------------------------------------------------------------------------------
+# 2. the config file read once; every run's key checked again before the report
+
+def test_a_config_edited_while_compare_runs_changes_no_run(tmp_path, monkeypatch, capsys):
+    """The file is edited while the first run trains: every run still trains on the contents
+    read at the start, every run's key holds that snapshot's hash, and a note says so."""
+    (tmp_path / "cfg.py").write_text("n_layer = 1\n")
+    seen = []
+
+    def edit(trainer, cmd):
+        seen.append(open(cmd[2]).read())  # the config file train.py would read
+        (tmp_path / "cfg.py").write_text("n_layer = 1\ndropout = 0.5\n")
+    run_main(tmp_path, monkeypatch, ScriptedTrainer(on_train=edit), "--seeds=2",
+             "--variant=n_layer=2")
+    assert seen == ["n_layer = 1\n"] * 4
+    want = hashlib.sha256(b"n_layer = 1\n").hexdigest()
+    keys = [json.load(open(tmp_path / "out" / "runs" / d / "run_key.json"))
+            for d in os.listdir(tmp_path / "out" / "runs")]
+    assert len(keys) == 4 and {k["config file"] for k in keys} == {want}
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "cfg.py changed while compare ran" in notes[0], notes
+
+
+def test_a_run_changed_by_another_process_is_not_reported(tmp_path, monkeypatch):
+    """Another compare in the same --out retrains the first run (another key on disk) while
+    this one trains the rest: refused before any report, in one line naming the folder."""
+    def other_process(trainer, cmd):
+        if trainer.trained == 4:
+            first = min((tmp_path / "out" / "runs").iterdir())
+            key = json.load(open(first / "run_key.json"))
+            key["flags"] = key["flags"] + ["--dropout=0.5"]
+            (first / "run_key.json").write_text(json.dumps(key))
+    with pytest.raises(SystemExit) as e:
+        run_main(tmp_path, monkeypatch, ScriptedTrainer(on_train=other_process), "--seeds=2",
+                 "--variant=n_layer=2")
+    msg = one_line_error(e)
+    assert "changed while this compare ran (its flags" in msg and "own --out" in msg, msg
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+# ----------------------------------------------------------------------------------------
+# 3. a config file cannot set what compare controls
+
+def test_a_config_file_cannot_set_init_from(tmp_path, monkeypatch):
+    """init_from in the config file would start every arm from another run's weights (compare
+    puts no init_from on the command line to override it): refused as the flag and the variant
+    key are, before anything is built. Keys compare overrides on the command line (max_iters,
+    out_dir, as config/small.py sets them) and init_from = "scratch" stay allowed."""
+    cfg = tmp_path / "cfg.py"
+    for line in ('init_from = "out/other_run"', "init_from = 'resume'"):
+        cfg.write_text(f"n_layer = 1\n{line}\n")
+        with pytest.raises(SystemExit) as e:
+            run_main(tmp_path, monkeypatch, ScriptedTrainer(), "--seeds=1")
+        msg = one_line_error(e)
+        assert str(cfg) in msg and "init_from" in msg and line.split(" = ")[1].strip("'\"") in msg, msg
+        assert "remove that line" in msg
+        assert not (tmp_path / "out" / "runs").exists()
+    cfg.write_text('init_from = "scratch"\nmax_iters = 300\nout_dir = "out-small"\n')
+    records = run_main(tmp_path, monkeypatch, ScriptedTrainer(), "--seeds=1")
+    assert records["base"]["runs"][0]["iters"] == 4
+
+
+# ----------------------------------------------------------------------------------------
+# 4. --out inside the tree; what no run reads; a retrain names the file
+
+def test_out_inside_the_tree_is_not_part_of_the_code(tmp_path, monkeypatch):
+    """A git checkout with --out inside it, not ignored: the working tree's copy holds neither
+    --out's files nor what no run reads (tests, docs), so a second compare (whose --out now
+    holds results, runs and the first copy) and edits of docs and tests reuse the same copy;
+    an edit of model.py makes a new one, whose retrain names model.py."""
+    repo = tmp_path / "repo"
+    for name, text in [("train.py", "t\n"), ("model.py", "m\n"), ("harness/x.py", "h\n"),
+                       ("docs/A.md", "d\n"), ("tests/test_x.py", "x\n")]:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.setattr(compare.bench_runs, "ROOT", str(repo))
+    out = repo / "lab"
+    first = compare.bench_runs.worktree_code(str(out))
+    (out / "runs" / "base-1_s1337").mkdir(parents=True)
+    (out / "runs" / "base-1_s1337" / "ckpt.pt").write_bytes(os.urandom(1000))
+    (out / "results.json").write_text("[]")
+    (repo / "docs" / "A.md").write_text("d, edited\n")
+    (repo / "tests" / "test_x.py").write_text("x, edited\n")
+    assert compare.bench_runs.worktree_code(str(out)) == first
+    copied = sorted(os.path.relpath(os.path.join(d, f), first)
+                    for d, _, fs in os.walk(first) for f in fs)
+    assert copied == ["harness/x.py", "model.py", "train.py"]
+    (repo / "model.py").write_text("m, edited\n")
+    second = compare.bench_runs.worktree_code(str(out))
+    assert second != first
+    old, new = (compare.code_identity(c) for c in (first, second))
+    assert set(old) == set(new) == {"harness/x.py", "model.py", "train.py"}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run_key.json").write_text(json.dumps({"code": old, "flags": []}))
+    why = compare.bench_runs.stale(str(run_dir), {"code": new, "flags": []}, 4)
+    assert why == "its code (model.py) changed since it was trained", why
+
+
+def test_a_retrain_names_the_file_that_changed(tmp_path, monkeypatch, capsys):
+    trainer = FakeTrainer()
+    monkeypatch.setattr(compare, "run_logged", trainer)
+    monkeypatch.setattr(compare, "count_params", lambda d: 0)
+    args = fake_args(tmp_path)
+    for code in ("tree-aaaa", "tree-bbbb"):
+        compare.train_and_score(args, compare.plan_runs(args, fake_arms(tmp_path, args, code))[0],
+                                str(tmp_path))
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "trained again" in ln]
+    assert said == ["base seed 1337: trained again (its code (model.py) changed since it was "
+                    "trained)"], said
+    assert trainer.trained == 2
 
 
 # ----------------------------------------------------------------------------------------
@@ -187,3 +324,21 @@ def test_the_plot_is_drawn_at_the_differences_scale(tmp_path, monkeypatch):
     assert len(limits) == 2 and (tmp_path / "out" / "compare.png").exists()
     for lo, hi in limits:
         assert lo <= 0.0 and hi >= 0.06 and hi - lo < 0.2, limits
+
+
+# ----------------------------------------------------------------------------------------
+# 18. no silent wait: a line as each silent step of a run starts
+
+def test_each_silent_step_of_a_run_is_said_as_it_starts(tmp_path, monkeypatch, capsys):
+    """train.py's start (torch, the model) and eval.py's scoring print nothing for seconds:
+    off a terminal a line says each as it starts, in order, for every run; iteration lines
+    come at most every 10 s."""
+    run_main(tmp_path, monkeypatch, ScriptedTrainer(), "--seeds=1", "--variant=n_layer=2",
+             "--eval_tokens=300")
+    lines = capsys.readouterr().out.splitlines()
+    want = []
+    for k, arm in enumerate(("base", "n_layer=2")):
+        want += [f"run {k + 1}/2: {arm} seed 1337: starting train.py",
+                 f"run {k + 1}/2: {arm} seed 1337: scoring 300 held-out tokens (eval.py)"]
+    assert [ln for ln in lines if ln in want] == want, lines
+    assert compare.bench_runs.RunsProgress(1, 10).every <= 10
