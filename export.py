@@ -359,7 +359,8 @@ def export_gguf(cfg, model, sp, proto, text):
 def parse_args(argv):
     """The settings and the packages they need, checked before anything loads."""
     names = ("out_dir", "hf_dir", "dtype", "tokenizer", "check", "gguf", "gguf_type")
-    cfg = configure({k: globals()[k] for k in names}, [a for a in argv if a != "--gguf"])
+    cfg = configure({k: globals()[k] for k in names}, [a for a in argv if a != "--gguf"],
+                    sources=(__file__,))
     if "--gguf" in argv and not cfg["gguf"]:
         cfg["gguf"] = f"model-{cfg['gguf_type']}.gguf"
     if cfg["gguf"] and not os.path.dirname(cfg["gguf"]):  # a bare name: the run's, not the cwd's
