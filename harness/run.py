@@ -33,7 +33,12 @@ def tokenizer_identity(dataset, data_dir, ddir, meta):
     checks it by its sha256 (None for a dataset without tokenizer.model)."""
     path = os.path.abspath(os.path.join(ddir, run_tokenizer.NAME))
     if os.path.exists(path):  # one line now, not a sentencepiece error at the first sample
-        run_tokenizer.load(path)
+        pieces = run_tokenizer.load(path).get_piece_size()
+        if meta["vocab_size"] < pieces:  # prepare writes the piece count; more only pads
+            raise UserError(f"{os.path.join(ddir, 'meta.json')} says vocab_size="
+                            f"{meta['vocab_size']}, but its tokenizer {path} has {pieces} "
+                            f"pieces: meta.json was edited or is another prepare's; prepare "
+                            f"the dataset again (or set its vocab_size back to {pieces})")
     return {"dataset": dataset, "data_dir": data_dir, "path": path,
             "sha256": run_tokenizer.file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),

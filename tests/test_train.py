@@ -652,6 +652,29 @@ def test_token_ids_beyond_the_vocab_are_one_line(tmp_path):
     assert "train.bin" in line and str(V + 30) in line and f"vocab_size is {V}" in line
 
 
+def test_a_meta_json_vocab_below_the_tokenizers_is_one_line_naming_both(tmp_path):
+    """Issue 60 item 16: meta.json's vocab_size edited below the tokenizer's piece count read
+    as "the data was encoded with another tokenizer" at the first batch. It is refused before
+    training, naming meta.json's value, the tokenizer's count and the way back; a vocab_size
+    above the count (padding) still trains."""
+    d = make_data(str(tmp_path / "data"))
+    path = os.path.join(d, "tokenizer.model")
+    tokenizer_model(path, "the cat sat. a dog ran. " * 3)
+    import sentencepiece as spm
+    pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    json.dump(dict(meta, vocab_size=pieces - 1), open(os.path.join(d, "meta.json"), "w"))
+    out = tmp_path / "out"
+    line = one_line_error(train_here(f"--data_dir={d}", f"--out_dir={out}", *TINY,
+                                     "--max_iters=1"))
+    assert f"meta.json says vocab_size={pieces - 1}" in line and f"has {pieces} pieces" in line
+    assert "prepare the dataset again" in line and "another tokenizer" not in line, line
+    assert not out.exists()
+    json.dump(dict(meta, vocab_size=V), open(os.path.join(d, "meta.json"), "w"))
+    assert pieces <= V and train_here(f"--data_dir={d}", f"--out_dir={out}", *TINY,
+                                      "--max_iters=1").returncode == 0
+
+
 def test_a_failed_command_leaves_no_empty_out_dir(data, tmp_path):
     """End to end, as a user sees it (the other error tests run train.py in this process):
     the exit status, one line on stderr, and no folder left behind."""
