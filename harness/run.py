@@ -129,16 +129,19 @@ def training_memory(mconf, batch_size, shards=1, checkpointing=False):
     lower it, bytes)]: 16 per parameter (float32 weights and gradients, AdamW's two moments;
     FSDP shards them over `shards` ranks), one micro-batch's float32 activations (about 16
     numbers per token and channel in each layer kept for backward, 2 with activation
-    checkpointing) and its logits with their gradient. The vocabulary's part (embedding and
-    logits) is counted apart: it can dwarf the rest."""
+    checkpointing) and its logits with their gradient. The embedding and the logits are
+    parts of their own: either can dwarf the rest, and only the embedding is the vocabulary's
+    alone (the logits grow with batch_size x block_size as much: --block_size=100000000 at
+    vocab 512 was told to lower vocab_size)."""
     d, layers, vocab = mconf.n_embd, mconf.n_layer, mconf.vocab_size
     tokens = batch_size * mconf.block_size
-    return [("the embedding and logits", "vocab_size", 16 * vocab * d // shards
-             + 4 * tokens * 2 * vocab),
+    per_token = (f"batch_size ({batch_size:,}; gradient_accumulation_steps keeps the tokens per "
+                 f"step), block_size ({mconf.block_size:,})")
+    return [("the embedding's weights and optimizer state", "vocab_size", 16 * vocab * d // shards),
             ("the layers' weights and optimizer state", "n_layer or n_embd",  # attention
              16 * 12 * layers * d * d // shards),                            # 4 d^2, MLP 8 d^2
-            ("the activations", "batch_size (gradient_accumulation_steps keeps the tokens per "
-             "step), block_size, n_layer or n_embd",
+            ("the logits and their gradient", f"{per_token} or vocab_size", 4 * tokens * 2 * vocab),
+            ("the activations", f"{per_token}, n_layer or n_embd",
              4 * tokens * layers * d * (2 if checkpointing else 16))]
 
 

@@ -234,9 +234,31 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
     # the vocabulary's part of that last one: its embedding, 16 bytes a weight, at the least
     with torch.device("meta"):
         wte = RoFormer(RoFormerConfig(**{**vars(cfg), **big_vocab})).wte.weight
-    assert re.search(r"embedding and logits take ([\d,.]+) GiB", message)
+    assert re.search(r"the embedding's weights and optimizer state take ([\d,.]+) GiB",
+                     message)
     assert float(re.search(r"take ([\d,.]+) GiB", message).group(1).replace(",", "")) * 2 ** 30 \
         >= 16 * wte.numel() * 0.999
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks share the machine's RAM
     with pytest.raises(UserError, match="2.0 GiB of RAM per process"):
         runs.check_fits([("all", "batch_size", 3 * 2 ** 30)], cpu)
+
+
+@pytest.mark.parametrize("batch,block", [(16, 100_000_000), (1_000_000_000, 256)])
+def test_a_batch_too_large_names_batch_and_block_not_the_vocabulary(monkeypatch, batch, block):
+    """Issue 60 item 16: --block_size=100000000 and --batch_size=1000000000 on a small model
+    of vocab 512 were told to "lower vocab_size": the logits, which grow with batch_size x
+    block_size, were counted in the vocabulary's part. The refusal names the part that is too
+    large, the values of batch_size and block_size given and lowers them first."""
+    from model import RoFormerConfig
+    from harness.common import UserError
+    pages = {"SC_PHYS_PAGES": 2 ** 21, "SC_PAGE_SIZE": 4096}  # 8 GiB
+    monkeypatch.setattr(os, "sysconf", pages.__getitem__)
+    cfg = RoFormerConfig(vocab_size=512, block_size=block, n_layer=2, n_head=2, n_embd=32)
+    with pytest.raises(UserError) as e:
+        runs.check_fits(runs.training_memory(cfg, batch), torch.device("cpu"))
+    message = str(e.value)
+    assert f"lower batch_size ({batch:,};" in message and f"block_size ({block:,})" in message
+    assert "lower vocab_size" not in message and "\n" not in message, message
+    logits = 8 * batch * block * 512  # float32 logits and their gradient
+    shown = float(re.search(r"take ([\d,.]+) GiB", message).group(1).replace(",", ""))
+    assert shown * 2 ** 30 == pytest.approx(logits, rel=1e-3), message
