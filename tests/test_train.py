@@ -675,6 +675,28 @@ def test_a_meta_json_vocab_below_the_tokenizers_is_one_line_naming_both(tmp_path
                                       "--max_iters=1").returncode == 0
 
 
+def test_compile_says_the_first_steps_wait_for_it_before_they_do(data, tmp_path, monkeypatch):
+    """Issue 60 item 18: --compile=True on a CPU was 57 s without a line (the first forward
+    compiles). The last line before the loop says why the wait and how to skip it, and a run
+    without compile has no such line. torch.compile is the identity here: the line is what is
+    tested, not the compiler (which needs a C++ compiler on a CPU, else the run says so and
+    runs eager)."""
+    from harness import run
+    if not run.cxx_compiler_found():
+        pytest.skip("no C++ compiler: compile=True runs eager here")
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    args = [f"--data_dir={data}", *TINY, "--max_iters=1", "--eval_interval=1"]
+    r = train_here(*args, f"--out_dir={tmp_path / 'a'}", "--compile=True")
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stderr
+    wait = "compile=True: the first evaluation and the first steps wait"
+    said = [i for i, line in enumerate(lines) if line.startswith(wait)]
+    first_eval = next(i for i, line in enumerate(lines) if line.startswith("iter 0:"))
+    assert len(said) == 1 and said[0] < first_eval and "--compile=False" in lines[said[0]], lines
+    quiet = train_here(*args, f"--out_dir={tmp_path / 'b'}")  # TINY has --compile=False
+    assert quiet.returncode == 0 and "torch.compile" not in quiet.stdout, quiet.stdout
+
+
 def test_a_failed_command_leaves_no_empty_out_dir(data, tmp_path):
     """End to end, as a user sees it (the other error tests run train.py in this process):
     the exit status, one line on stderr, and no folder left behind."""
