@@ -3,6 +3,7 @@ line, MFU against a datasheet peak only, a countdown for long evaluations), the 
 count on a busy machine, and the memory check. References: a clock the tests move by hand,
 the definitions (tokens / seconds, FLOP/s / peak), a real busy process, and a real model's
 parameter count."""
+import math
 import os
 import re
 import subprocess
@@ -122,9 +123,9 @@ def seconds(interval):
 
 def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
     """The evaluation before iteration 0 ran 55-153 s on a busy machine with nothing printed.
-    Without a terminal: one plain line once the batches so far say more than QUIET_S seconds
-    are left, with that estimate (time per batch so far x batches left), then one every
-    EVERY_S; a quick evaluation prints nothing, and neither does a rank other than 0."""
+    Without a terminal: one plain line once QUIET_S seconds have passed, with the time left
+    (time per batch so far x batches left), then one every EVERY_S; a quick evaluation prints
+    nothing, and neither does a rank other than 0."""
     q, every = bars.QUIET_S, bars.EVERY_S
     for per_batch, total, shown in ((0.01, 40, True), (1.0, 200, True), (1.0, 200, False)):
         c = (bars.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
@@ -140,16 +141,43 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
         if per_batch * total <= q or not shown:
             assert said == []
             continue
-        first = per_batch * (total - 1)  # after one batch
-        assert first > q and said[0][0] == 1
+        first = math.ceil(q / per_batch)  # the batch that ends QUIET_S seconds
+        assert said[0][0] == first
         # every line's estimate is the time per batch so far x the batches left, and they
         # come EVERY_S apart
         for n, line in said:
             left = re.search(r"about ([\d:]+) left", line).group(1)
             assert line.startswith(f"evaluating iteration 0: {n}/{total} batches")
             assert seconds(left) == pytest.approx(per_batch * (total - n), abs=1)
-        assert [n for n, _ in said] == [1 + int(every / per_batch) * k for k in range(len(said))]
-        assert len(said) == 1 + int((total - 2) * per_batch // every)
+        assert [n for n, _ in said] == [first + int(every / per_batch) * k
+                                        for k in range(len(said))]
+        assert len(said) == 1 + int((total - first) * per_batch // every)
+
+
+def test_a_long_wait_estimates_its_time_left_from_more_than_its_start_up(clock, capsys):
+    """Issue 60 item 18: the default corpus's prepare said "about 04:12 left" and ended 10 s
+    later: its first estimate rested on the first 5 kB of 31 MB, read before the worker
+    processes were up. Here a wait of that shape (5 kB at once, a second of start-up, then
+    3 MB/s in 64 kB reads): no line in its first QUIET_S seconds, and every time left said is
+    within a factor 1.5 of the time that was left."""
+    total, chunk, rate, start = 31_500_000, 65_536, 3e6, clock.now
+    c = bars.Lines(None, total, "encoding", "B", unit_scale=True, out=sys.stdout)
+    clock.now += 0.01
+    c.update(5_000)
+    clock.now += 1.0  # the workers start
+    steps, n = [], 5_000
+    while n < total:
+        step = min(chunk, total - n)
+        clock.now += step / rate
+        n += step
+        c.update(step)
+        steps.append((clock.now, capsys.readouterr().out.strip()))
+    end = clock.now
+    said = [(t, line) for t, line in steps if line]
+    assert said and said[0][0] - start >= bars.QUIET_S, said[0]
+    for t, line in said:
+        left = seconds(re.search(r"about ([\d:]+) left", line).group(1))
+        assert (end - t) / 1.5 - 1 <= left <= 1.5 * (end - t) + 1, (line, end - t)
 
 
 def test_a_busy_core_is_seen_and_gets_no_torch_thread(monkeypatch):
