@@ -1451,7 +1451,8 @@ def test_the_first_line_names_what_decides_speed_and_quality(data, tmp_path, opt
 def test_the_evaluation_before_iteration_0_shows_its_progress(data, tmp_path, monkeypatch):
     """Nothing was printed between `MFU: ...` and `iter 0: ...` while the first evaluation ran
     (55-153 s on a busy machine). Here every evaluation counts as long (QUIET_S 0): its
-    countdown line comes between the two, with the batches it runs."""
+    countdown line comes between the two, with the batches it runs (no time left yet: the
+    first batch alone carries the start-up, a compile where there is one)."""
     from harness import bars
     monkeypatch.setattr(bars, "QUIET_S", -1.0)
     r = train_here(f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY,
@@ -1460,8 +1461,8 @@ def test_the_evaluation_before_iteration_0_shows_its_progress(data, tmp_path, mo
     lines = r.stdout.splitlines()
     i = next(k for k, ln in enumerate(lines) if ln.startswith("MFU: "))
     assert lines[i + 2].startswith("iter 0: train"), lines
-    assert re.fullmatch(r"evaluating iteration 0: 1/6 batches \(17%\), about [\d:]+ left, "
-                        r"[\d:]+ so far", lines[i + 1]), lines
+    assert re.fullmatch(r"evaluating iteration 0: 1/6 batches \(17%\), [\d:]+ so far",
+                        lines[i + 1]), lines
 
 
 def test_a_refusal_over_a_value_kept_from_init_from_says_so_and_what_to_pass(data, base_run,
