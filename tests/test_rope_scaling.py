@@ -109,7 +109,8 @@ def test_a_run_without_rope_original_loads_as_before(tmp_path, tokenizer):  # no
 
 
 @pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn"])
-def test_a_factor_too_large_is_one_line_naming_it_and_the_largest(tmp_path, tokenizer, scaling):  # noqa: F811
+def test_a_factor_too_large_is_one_line_naming_it_and_the_largest(tmp_path, scaling,
+                                                                   tokenizer):  # noqa: F811
     """--rope_factor=1e308 made the window infinite, and context_window's int() raised
     OverflowError (a traceback) in train.py and eval.py before the window's own rule ran. It
     is one line naming the factor and a factor that works, from the config (train.py's check)
