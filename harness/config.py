@@ -87,10 +87,10 @@ def configure(defaults, argv, given=None, sources=()):
     user says, so `--n_layer=2 one.py` runs n_layer=2 as `one.py --n_layer=2` does (a config
     file cannot read a flag, so applying it later could only undo one). The keys they set are
     added to the set `given` if one is passed: a key set to its default value is given all the
-    same (train.py's init_from=RUN keeps RUN's value of a key not given). --help (or -h)
-    prints the script's usage (`sources`: its file, and any file that documents more of its
-    keys) and exits."""
-    if "--help" in argv or "-h" in argv:
+    same (train.py's init_from=RUN keeps RUN's value of a key not given). A script that passes
+    `sources` (its file first, then any file that documents more of its keys) answers --help
+    or -h with its usage, and exits; without them (tests/conftest.py's --model) they are keys."""
+    if sources and ("--help" in argv or "-h" in argv):
         print(usage(defaults, sources))
         sys.exit(0)
     config, known = dict(defaults), sorted(defaults)
@@ -158,13 +158,12 @@ def usage(defaults, sources):
     """--help's text: what the script does (the first source's docstring), every key with its
     default and its comment, and where the docs are."""
     paths = [p if os.path.isabs(p) else os.path.join(REPO, p) for p in sources]
-    doc, comments = "", {}
+    comments = {}
     for path in reversed(paths):  # the script's own comment wins
         comments.update(key_comments(path))
-    if paths:
-        with open(paths[0], encoding="utf-8") as f:
-            doc = ast.get_docstring(ast.parse(f.read())) or ""
-    script = os.path.relpath(paths[0], REPO) if paths else os.path.basename(sys.argv[0])
+    with open(paths[0], encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    script = os.path.relpath(paths[0], REPO)
     lines = [f"usage: python {script} [config.py ...] [--key=value ...]", "", doc.strip(), "",
              "keys and their defaults (config files apply first, in order, then --key=value):"]
     width = max(len(f"{k} = {v!r}") for k, v in defaults.items())

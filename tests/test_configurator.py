@@ -309,6 +309,8 @@ def test_help_says_what_the_script_does_its_keys_and_where_the_docs_are(script, 
                              source + model_source(), re.M), (name, comment)
     assert len(keys) >= 4
     assert "docs: README.md" in out and "HACKING.md" in out
+    with pytest.raises(ConfigError, match="unknown config key 'help'"):  # no script: a key
+        configure(DEFAULTS, ["--help"])
 
 
 def model_source():
