@@ -16,6 +16,8 @@ def check(cfg):
     """RoFormerConfig's checks of the baselines' settings (called when pos_encoding != "rope")."""
     pe = cfg.pos_encoding
     for wrong, why in [
+        (pe == "t5" and cfg.t5_buckets < 2, f"t5_buckets={cfg.t5_buckets}: T5 splits its "
+         "buckets into exact distances and log-spaced ones, which needs t5_buckets >= 2"),
         (cfg.t5_max_distance <= cfg.t5_buckets // 2, "t5_max_distance must exceed the "
          f"t5_buckets // 2 = {cfg.t5_buckets // 2} exact buckets"),
         (pe == "sinusoidal" and cfg.n_embd % 2, "sinusoidal positions need an even n_embd"),

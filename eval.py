@@ -137,7 +137,7 @@ def own_split(ckpt, split_name):
 
 
 def parse_config(argv):
-    cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv)
+    cfg = configure({k: globals()[k] for k in CONFIG_KEYS}, argv, sources=(__file__,))
     if bool(cfg["input"]) + bool(cfg["split"]) + cfg["passkey"] != 1:
         raise UserError("pass either --input=FILE[,FILE...] (text files or folders), "
                         "--split=val or --passkey")

@@ -137,8 +137,7 @@ def module_refusal(model):
 
 def refusal(model, kind):
     """Why `model` has no faithful form in the `kind` export ("hf", "gguf"), in a line; or None."""
-    why = config_refusal(model.config, kind)
-    if why:
+    if why := config_refusal(model.config, kind):
         return why
     state, expected = model.state_dict(), expected_shapes(model.config)
     for key, tensor in state.items():
@@ -147,8 +146,7 @@ def refusal(model, kind):
         if tuple(tensor.shape) != expected[key]:
             return (f"state-dict key {key} has shape {list(tensor.shape)}, the {kind} export "
                     f"maps {list(expected[key])}")
-    missing = [key for key in expected if key not in state]
-    if missing:
+    if missing := [key for key in expected if key not in state]:
         return f"the model has no {missing[0]}, which the {kind} export writes"
     head, wte = state["lm_head.weight"], state["wte.weight"]
     tied = getattr(model.config, "tie_embeddings", True)  # the config the export writes says so
@@ -253,7 +251,7 @@ def write_folder(path, files, check=None):
 
 
 def export_hf(cfg, model, sp, text):
-    path = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
+    path = cfg["hf_dir"]  # parse_args': out_dir/hf by default
     check_replaceable(path)
     conf, weights = hf_model(model, sp.eos_id(), cfg["dtype"])
     gen = {"eos_token_id": sp.eos_id(), "pad_token_id": sp.eos_id(), "do_sample": True,
@@ -291,8 +289,7 @@ def check_gguf_path(path):
     not GGUF (by its magic), or a file a training run owns (run_file), even one not there yet."""
     if os.path.isdir(path):
         raise UserError(f"--gguf={path} is a folder; give the file's path (e.g. {path}/model.gguf)")
-    owner = run_file(path)
-    if owner:
+    if owner := run_file(path):
         raise UserError(f"--gguf={path} is a file of the run in {owner} (its checkpoints, logs and "
                         f"their folders); write the GGUF file elsewhere, e.g. {owner}/model.gguf")
     if os.path.lexists(path):
@@ -359,19 +356,21 @@ def export_gguf(cfg, model, sp, proto, text):
 def parse_args(argv):
     """The settings and the packages they need, checked before anything loads."""
     names = ("out_dir", "hf_dir", "dtype", "tokenizer", "check", "gguf", "gguf_type")
-    cfg = configure({k: globals()[k] for k in names}, [a for a in argv if a != "--gguf"])
+    cfg = configure({k: globals()[k] for k in names}, [a for a in argv if a != "--gguf"],
+                    sources=(__file__,))
     if "--gguf" in argv and not cfg["gguf"]:
         cfg["gguf"] = f"model-{cfg['gguf_type']}.gguf"
     if cfg["gguf"] and not os.path.dirname(cfg["gguf"]):  # a bare name: the run's, not the cwd's
         cfg["gguf"] = os.path.join(cfg["out_dir"], cfg["gguf"])
+    cfg["hf_dir"] = os.path.normpath(cfg["hf_dir"] or os.path.join(cfg["out_dir"], "hf"))
     if cfg["dtype"] not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be float32, bfloat16 or float16, got {cfg['dtype']!r}")
     if cfg["gguf_type"] not in ("f32", "f16", "q8_0"):
         raise UserError(f"gguf_type must be f32, f16 or q8_0, got {cfg['gguf_type']!r}")
     need("sentencepiece.sentencepiece_model_pb2", "protobuf")  # both read the tokenizer's pieces
     hf = ["safetensors.torch", "tokenizers"] + ["transformers"] * cfg["check"]
-    for module in ["gguf"] if cfg["gguf"] else hf:
-        need(module)
+    for module in ["gguf"] if cfg["gguf"] else hf:  # transformers: imported later (2 s)
+        need(module, load=module != "transformers")
     if cfg["gguf"]:
         check_gguf_path(cfg["gguf"])
     return cfg
@@ -382,13 +381,15 @@ def main(argv):
     cfg = parse_args(argv)
     # float32 on the CPU: export copies the exact weights, it computes nothing
     model, sp, ckpt = load_run(cfg["out_dir"], torch.device("cpu"), "float32", cfg["tokenizer"])
-    why = refusal(model, "gguf" if cfg["gguf"] else "hf")
-    if why:
+    if why := refusal(model, "gguf" if cfg["gguf"] else "hf"):
         raise UserError(f"cannot export {cfg['out_dir']}: {why}")
     if sp.eos_id() < 0:
         raise UserError("the tokenizer has no end-of-document piece (eos_id); export needs one")
     proto = sentencepiece_proto(sp)  # before anything is written: it may refuse too
     text = validation_text(ckpt, sp) if cfg["check"] else ""
+    loaded = f", loaded by {'llama.cpp' if cfg['gguf'] else 'transformers'}" * cfg["check"]
+    print(f"exporting {cfg['out_dir']} to {cfg['gguf'] or cfg['hf_dir']}: writing it, then "
+          f"checking it against this run{loaded}", file=sys.stderr)  # then seconds of silence
     if cfg["gguf"]:
         export_gguf(cfg, model, sp, proto, text)
     else:

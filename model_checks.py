@@ -51,15 +51,17 @@ def check_config(cfg):
          " needs rope_scaling='linear', 'ntk' or 'yarn' ('none' means factor 1)")]:
         if wrong:
             raise ValueError(why)
-    check_positions(cfg)
     # past 2**53 float64 positions (the angles' m) are no longer exact, and NTK's raised
-    # base overflows a float (OverflowError) long before: both are factors no one means
-    window = cfg.original_context * cfg.rope_factor
-    if window >= 2 ** 53 or (rope and cfg.rope_scaling == "ntk" and math.log(
-            cfg.rope_base) + math.log(cfg.rope_factor) * hd / (hd - 2) > 700):
+    # base overflows a float (OverflowError) long before: both are factors no one means.
+    # Before check_positions, which reads context_window (int() of an infinite window raises)
+    window, most = cfg.original_context * cfg.rope_factor, 2 ** 53 / cfg.original_context
+    if rope and cfg.rope_scaling == "ntk":  # base * factor^(d/(d-2)) within exp(700)
+        most = min(most, math.exp((700 - math.log(cfg.rope_base)) * (hd - 2) / hd))
+    if cfg.rope_factor >= most:
         raise ValueError(f"rope_factor={cfg.rope_factor:g} is too large: a window of "
                          f"{window:.3g} positions (rope_original x rope_factor) cannot be "
-                         f"computed exactly")
+                         f"computed exactly; use a factor below {most:.3g}")
+    check_positions(cfg)
 
 
 def check_positions(cfg):

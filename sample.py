@@ -67,7 +67,7 @@ def parse_args(argv):
     names = ("out_dir", "start", "num_samples", "max_new_tokens", "temperature", "top_k", "top_p",
              "seed", "device", "dtype", "use_cache", "compile", "stop_at_eos", "rope_scaling",
              "rope_factor", "length_temperature", "tokenizer")
-    cfg = configure({k: globals()[k] for k in names}, argv)
+    cfg = configure({k: globals()[k] for k in names}, argv, sources=(__file__,))
     try:
         decode.check_sampling(cfg["temperature"], cfg["top_k"] or None, cfg["top_p"])
     except ValueError as e:

@@ -92,7 +92,7 @@ defaults = {**dataclasses.asdict(RoFormerConfig()), **{
     k: v for k, v in globals().items() if not k.startswith("_") and k.isidentifier()
     and isinstance(v, (bool, int, float, str))}}
 given = set()  # the keys the command line and config files set (init_from=RUN keeps the rest)
-config = configure(defaults, sys.argv[1:], given)
+config = configure(defaults, sys.argv[1:], given, sources=(__file__, "model.py"))  # --help
 start.check(config, MODEL_KEYS)  # every value's rule, before anything is touched
 proc = start.place(config)       # the processes, this one's device, dtype, autocast, threads
 job = start.open_run(config, given, MODEL_KEYS, LOOP_KEYS, proc)  # data, out_dir, checkpoint

@@ -39,7 +39,7 @@ defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,133
             "eval_iters": 10, "results": "bench/results/optim.jsonl", "time_steps": 8,
             "step_cost": False}
 try:
-    args = configure(defaults, sys.argv[1:])
+    args = configure(defaults, sys.argv[1:], sources=(__file__,))
 except UserError as e:
     sys.exit(f"error: {e}")
 SHAPE = {k: args[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size")}

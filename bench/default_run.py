@@ -25,7 +25,7 @@ from harness.config import configure  # noqa: E402
 
 defaults = {"rounds": 1, "optimizers": "adamw,muon", "kinds": "native,avx2", "extra": ""}
 try:
-    args = configure(defaults, sys.argv[1:])
+    args = configure(defaults, sys.argv[1:], sources=(__file__,))
 except UserError as e:
     sys.exit(f"error: {e}")
 # what an AVX2-only CPU does: oneDNN's bf16 kernels need AVX512-BF16 or AMX

@@ -82,7 +82,7 @@ def worker(args, mode, out):
 
 def main():
     try:
-        args = configure(defaults, sys.argv[1:])
+        args = configure(defaults, sys.argv[1:], sources=(__file__,))
     except UserError as e:
         sys.exit(f"error: {e}")
     out = tempfile.mkdtemp()

@@ -79,7 +79,7 @@ defaults = {"config": "config/small.py", "steps": 10, "warmup": 3, "compile": Tr
             "ours_qk_norm": False, "ours_dtype": "auto", "ours_short": 0, "ours_short_block": 32,
             "cpu_clock": False, "train_dtype": "float32"}
 try:
-    args = configure(defaults, sys.argv[1:])
+    args = configure(defaults, sys.argv[1:], sources=(__file__,))
 except UserError as e:
     sys.exit(f"error: {e}")
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,6 +7,7 @@ config.json (`neox_config`), the weights (`neox_weights`), the tokenizer (`hf_to
 detail: docs/EXPORT.md.
 """
 import importlib
+import importlib.util
 import json
 import os
 
@@ -17,10 +18,14 @@ from harness.common import UserError
 from model import ntk_base
 
 
-def need(module, package=None):
-    """Import an optional package's module, or stop with one line naming the package."""
+def need(module, package=None, load=True):
+    """Import an optional package's module, or stop with one line naming the package; with
+    load=False only find it (export.py checks what it needs before a word, and importing
+    transformers takes seconds)."""
     try:
-        return importlib.import_module(module)
+        if not load and importlib.util.find_spec(module) is None:
+            raise ImportError(module)
+        return importlib.import_module(module) if load else None
     except ImportError:
         package = package or module.split(".")[0]
         raise UserError(f"export.py needs the '{package}' package: pip install {package}") from None

@@ -33,7 +33,12 @@ def tokenizer_identity(dataset, data_dir, ddir, meta):
     checks it by its sha256 (None for a dataset without tokenizer.model)."""
     path = os.path.abspath(os.path.join(ddir, run_tokenizer.NAME))
     if os.path.exists(path):  # one line now, not a sentencepiece error at the first sample
-        run_tokenizer.load(path)
+        pieces = run_tokenizer.load(path).get_piece_size()
+        if meta["vocab_size"] < pieces:  # prepare writes the piece count; more only pads
+            raise UserError(f"{os.path.join(ddir, 'meta.json')} says vocab_size="
+                            f"{meta['vocab_size']}, but its tokenizer {path} has {pieces} "
+                            f"pieces: meta.json was edited or is another prepare's; prepare "
+                            f"the dataset again (or set its vocab_size back to {pieces})")
     return {"dataset": dataset, "data_dir": data_dir, "path": path,
             "sha256": run_tokenizer.file_sha256(path) if os.path.exists(path) else None,
             "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
@@ -124,16 +129,19 @@ def training_memory(mconf, batch_size, shards=1, checkpointing=False):
     lower it, bytes)]: 16 per parameter (float32 weights and gradients, AdamW's two moments;
     FSDP shards them over `shards` ranks), one micro-batch's float32 activations (about 16
     numbers per token and channel in each layer kept for backward, 2 with activation
-    checkpointing) and its logits with their gradient. The vocabulary's part (embedding and
-    logits) is counted apart: it can dwarf the rest."""
+    checkpointing) and its logits with their gradient. The embedding and the logits are
+    parts of their own: either can dwarf the rest, and only the embedding is the vocabulary's
+    alone (the logits grow with batch_size x block_size as much: --block_size=100000000 at
+    vocab 512 was told to lower vocab_size)."""
     d, layers, vocab = mconf.n_embd, mconf.n_layer, mconf.vocab_size
     tokens = batch_size * mconf.block_size
-    return [("the embedding and logits", "vocab_size", 16 * vocab * d // shards
-             + 4 * tokens * 2 * vocab),
+    per_token = (f"batch_size ({batch_size:,}; gradient_accumulation_steps keeps the tokens per "
+                 f"step), block_size ({mconf.block_size:,})")
+    return [("the embedding's weights and optimizer state", "vocab_size", 16 * vocab * d // shards),
             ("the layers' weights and optimizer state", "n_layer or n_embd",  # attention
              16 * 12 * layers * d * d // shards),                            # 4 d^2, MLP 8 d^2
-            ("the activations", "batch_size (gradient_accumulation_steps keeps the tokens per "
-             "step), block_size, n_layer or n_embd",
+            ("the logits and their gradient", f"{per_token} or vocab_size", 4 * tokens * 2 * vocab),
+            ("the activations", f"{per_token}, n_layer or n_embd",
              4 * tokens * layers * d * (2 if checkpointing else 16))]
 
 

@@ -187,3 +187,7 @@ def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter
     print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else
                      mfu.CPU_NO_PEAK if p.dev.type == "cpu" else
                      "n/a (peak FLOP/s of this device unknown)"), flush=True)
+    if c["compile"]:  # the first forward compiles, silently: 57 s before any line on a CPU
+        print("compile=True: the first evaluation and the first steps wait while torch.compile "
+              "builds the model's kernels (a minute or more on a CPU, less once cached; "
+              "--compile=False skips it)", flush=True)

@@ -29,6 +29,35 @@ def test_files_then_arguments_override_in_order(tmp_path):
     assert configure(DEFAULTS, ["--compile"])["compile"] is True  # a bare flag sets a bool
 
 
+def test_flags_override_config_files_wherever_they_stand(tmp_path):
+    """Issue 60 item 10: `train.py --n_layer=2 --max_iters=3 one.py` trained one.py's values
+    without a word, though the README says config files, then flags. Flags now apply after
+    every config file whatever the order (a config file cannot read a flag, so a later file
+    could only undo one); files still apply in their own order."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("batch_size = 8\nlearning_rate = 1e-3\n")
+    b.write_text("batch_size = 4\n")
+    for argv in (["--batch_size=2", str(a), str(b)], [str(a), "--batch_size=2", str(b)],
+                 [str(a), str(b), "--batch_size=2"]):
+        given = set()
+        cfg = configure(DEFAULTS, argv, given)
+        assert (cfg["batch_size"], cfg["learning_rate"]) == (2, 1e-3), argv
+        assert given == {"batch_size", "learning_rate"}
+    assert configure(DEFAULTS, ["--compile=false", str(b), str(a)])["batch_size"] == 8
+
+
+def test_a_folder_for_a_config_file_says_it_is_a_folder(tmp_path):
+    """Issue 60 item 16: `train.py config` (the folder) said "config file not found" of a
+    folder that is there. It says it is a folder and names a config file in it."""
+    (tmp_path / "small.py").write_text("batch_size = 8\n")
+    with pytest.raises(ConfigError) as e:
+        configure(DEFAULTS, [str(tmp_path)])
+    msg = str(e.value)
+    assert f"{tmp_path} is a folder, not a config file" in msg and "\n" not in msg, msg
+    assert str(tmp_path / "small.py") in msg  # the way out, runnable as it is
+    assert configure(DEFAULTS, [str(tmp_path / "small.py")])["batch_size"] == 8
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--batch_sise=3"], ["batch_sise", "did you mean 'batch_size'"]),
     (["--batch_size=3.5"], ["batch_size", "int"]),
@@ -242,3 +271,48 @@ def test_the_readme_names_the_tests_that_skip_and_why():
     for words in ("llama-cpp-python", "tests/test_contract.py", "--model", "CUDA", "tmpfs",
                   "read-only"):
         assert words in para, words
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "eval.py", "export.py",
+                                    "bench/train_speed.py", "bench/default_run.py"])
+def test_help_says_what_the_script_does_its_keys_and_where_the_docs_are(script, flag,
+                                                                        monkeypatch, capsys):
+    """Issue 60 item 17: `--help` was "unknown config key 'help'" (and -h "config file not
+    found"). It prints the script's docstring, every key with its default (the comment beside
+    it in the script, where there is one) and where the docs are, and exits 0 before loading
+    anything. The script runs as `python SCRIPT --help` would run it, in this process."""
+    import ast
+    import runpy
+    path = os.path.join(ROOT, script)
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    monkeypatch.setattr(sys, "argv", [path, "--out_dir=nowhere", flag])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # train.py sets its own
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(path, run_name="__main__")
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None), e.value.code
+    assert out.startswith(f"usage: python {script} [config.py ...] [--key=value ...]\n"), out
+    first = ast.get_docstring(ast.parse(source)).strip().splitlines()[0]
+    assert first in out
+    keys = re.findall(r"^  (\w+) = (.+?)(?:  +# (.*))?$", out, re.M)
+    assert ("out_dir", "'out'", "") in keys or script.startswith("bench/"), keys
+    for name, default, comment in keys:  # each a key the script (or model.py) defines
+        assert re.search(rf"\b{name}\b", source + model_source()), name
+        if comment:  # the comment on the line that assigns it
+            assert re.search(rf"^ *{name}\b.*# {re.escape(comment.split('  ')[0][:40])}",
+                             source + model_source(), re.M), (name, comment)
+    assert len(keys) >= 4
+    assert "docs: README.md" in out and "HACKING.md" in out
+    with pytest.raises(ConfigError, match="unknown config key 'help'"):  # no script: a key
+        configure(DEFAULTS, ["--help"])
+
+
+def model_source():
+    with open(os.path.join(ROOT, "model.py"), encoding="utf-8") as f:
+        return f.read()

@@ -1254,7 +1254,7 @@ def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
     errtext = capsys.readouterr().err
     lines = [line for line in errtext.splitlines() if line.startswith("timing steps")]
     assert len(lines) == 12 and "\r" not in errtext, errtext  # (1 + 2 warm-up) x 4 arms
-    assert "12/12 step (100%)" in lines[-1] and "left" in lines[0], lines
+    assert "12/12 step (100%)" in lines[-1] and "left" in lines[1], lines  # after a 2nd step
     # the "no Gram form" arm times the same map as muon.gram_newton_schulz, done plainly
     import torch
     from muon import Muon, gram_newton_schulz

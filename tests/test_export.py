@@ -611,6 +611,24 @@ def test_a_failed_check_leaves_nothing_behind(run, tmp_path, monkeypatch):
     assert hf_folder_state(target) == before and os.listdir(tmp_path) == ["hf"]
 
 
+def test_a_line_says_what_export_does_before_it_writes_and_checks(run, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Issue 60 item 18: export was 10-11 s without a line (writing, the float64 reference,
+    transformers loading the folder). A line naming the run and where it goes is out before
+    the first byte is written, and is the only line before it."""
+    seen, write = [], export.write_checked
+
+    def spy(path, *args, **kwargs):
+        seen.append(capsys.readouterr().err)  # what the user has read when the writing starts
+        return write(path, *args, **kwargs)
+    monkeypatch.setattr(export, "write_checked", spy)
+    capsys.readouterr()
+    export.main([f"--out_dir={run['out']}", f"--hf_dir={tmp_path / 'hf'}", "--check=False"])
+    assert seen == [f"exporting {run['out']} to {tmp_path / 'hf'}: writing it, then checking it "
+                    f"against this run\n"]
+    assert capsys.readouterr().err.startswith(f"wrote {tmp_path / 'hf'}: GPTNeoXForCausalLM")
+
+
 def test_missing_packages_and_bad_arguments(run, monkeypatch):
     o = f"--out_dir={run['out']}"
     assert "dtype" in err(o, "--dtype=int8")

@@ -150,6 +150,18 @@ def test_linear_attention_with_a_relative_bias_is_a_config_error():
         RoFormerConfig(pos_encoding="shaw", rel_clip=0)
 
 
+def test_t5_with_fewer_than_two_buckets_is_one_line_naming_the_value():
+    """--pos_encoding=t5 --t5_buckets=1 left no exact bucket (t5_buckets // 2 = 0) and divided
+    by it: a ZeroDivisionError traceback at the first forward. Two buckets (one exact, one
+    log-spaced) is the least that builds and runs."""
+    with pytest.raises(ValueError) as e:
+        RoFormerConfig(pos_encoding="t5", t5_buckets=1)
+    assert "t5_buckets=1" in str(e.value) and "t5_buckets >= 2" in str(e.value), str(e.value)
+    m = RoFormer(RoFormerConfig(vocab_size=61, block_size=16, n_layer=1, n_head=2, n_embd=16,
+                                pos_encoding="t5", t5_buckets=2, t5_max_distance=4))
+    assert torch.isfinite(m(torch.randint(0, 61, (1, 16)))[0]).all()
+
+
 # --- the model -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("pos_encoding", RELATIVE)

@@ -106,3 +106,24 @@ def test_a_run_without_rope_original_loads_as_before(tmp_path, tokenizer):  # no
                                             rope_original=ARGS["block_size"]))).eval()
     direct.load_state_dict(model.state_dict())
     assert torch.equal(logits(scaled, T=64), logits(direct, T=64))
+
+
+@pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn"])
+def test_a_factor_too_large_is_one_line_naming_it_and_the_largest(tmp_path, scaling,
+                                                                   tokenizer):  # noqa: F811
+    """--rope_factor=1e308 made the window infinite, and context_window's int() raised
+    OverflowError (a traceback) in train.py and eval.py before the window's own rule ran. It
+    is one line naming the factor and a factor that works, from the config (train.py's check)
+    and from a loaded run (eval.py's and sample.py's --rope_factor); the factor it names is
+    accepted."""
+    from harness.common import UserError
+    with pytest.raises(ValueError) as e:
+        RoFormerConfig(**dict(ARGS, rope_scaling=scaling, rope_factor=1e308))
+    msg = str(e.value)
+    assert "rope_factor=1e+308 is too large" in msg and "\n" not in msg, msg
+    most = float(msg.rsplit("use a factor below ", 1)[1])
+    assert RoFormerConfig(**dict(ARGS, rope_scaling=scaling, rope_factor=most / 2))
+    out = str(tmp_path / "run")
+    write_run(out, tokenizer)
+    with pytest.raises(UserError, match=r"rope_factor=1e\+308 is too large.*use a factor below"):
+        load_run(out, torch.device("cpu"), "float32", rope_scaling=scaling, rope_factor=1e308)

@@ -3,6 +3,7 @@ line, MFU against a datasheet peak only, a countdown for long evaluations), the 
 count on a busy machine, and the memory check. References: a clock the tests move by hand,
 the definitions (tokens / seconds, FLOP/s / peak), a real busy process, and a real model's
 parameter count."""
+import math
 import os
 import re
 import subprocess
@@ -122,9 +123,9 @@ def seconds(interval):
 
 def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
     """The evaluation before iteration 0 ran 55-153 s on a busy machine with nothing printed.
-    Without a terminal: one plain line once the batches so far say more than QUIET_S seconds
-    are left, with that estimate (time per batch so far x batches left), then one every
-    EVERY_S; a quick evaluation prints nothing, and neither does a rank other than 0."""
+    Without a terminal: one plain line once QUIET_S seconds have passed, with the time left
+    (time per batch so far x batches left), then one every EVERY_S; a quick evaluation prints
+    nothing, and neither does a rank other than 0."""
     q, every = bars.QUIET_S, bars.EVERY_S
     for per_batch, total, shown in ((0.01, 40, True), (1.0, 200, True), (1.0, 200, False)):
         c = (bars.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
@@ -140,16 +141,56 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
         if per_batch * total <= q or not shown:
             assert said == []
             continue
-        first = per_batch * (total - 1)  # after one batch
-        assert first > q and said[0][0] == 1
+        first = math.ceil(q / per_batch)  # the batch that ends QUIET_S seconds
+        assert said[0][0] == first
         # every line's estimate is the time per batch so far x the batches left, and they
         # come EVERY_S apart
         for n, line in said:
             left = re.search(r"about ([\d:]+) left", line).group(1)
             assert line.startswith(f"evaluating iteration 0: {n}/{total} batches")
             assert seconds(left) == pytest.approx(per_batch * (total - n), abs=1)
-        assert [n for n, _ in said] == [1 + int(every / per_batch) * k for k in range(len(said))]
-        assert len(said) == 1 + int((total - 2) * per_batch // every)
+        assert [n for n, _ in said] == [first + int(every / per_batch) * k
+                                        for k in range(len(said))]
+        assert len(said) == 1 + int((total - first) * per_batch // every)
+
+
+def waited(clock, capsys, total, steps, **kwargs):
+    """bars.Lines through `steps` [(seconds, items)] on the test's clock: (the seconds from
+    the start each line was said at, that line), and the seconds the wait took."""
+    start, said = clock.now, []
+    c = bars.Lines(None, total, "waiting", out=sys.stdout, **kwargs)
+    for dt, n in steps:
+        clock.now += dt
+        c.update(n)
+        line = capsys.readouterr().out.strip()
+        if line:
+            said.append((clock.now - start, line))
+    return said, clock.now - start
+
+
+@pytest.mark.parametrize("shape", ["prepare", "compiled evaluation"])
+def test_a_long_wait_estimates_its_time_left_from_more_than_its_start_up(clock, capsys, shape):
+    """Issue 60 item 18: the default corpus's prepare said "about 04:12 left" and ended 10 s
+    later: its estimate rested on the first 5 kB of 31 MB, read before the worker processes
+    were up. Waits of that shape (5 kB at once, a second of start-up, then 3 MB/s in 64 kB
+    reads) and of train.py's first compiled evaluation (45 s for the first batch, then 0.05 s
+    a batch; it said "about 02:17 left"): no line in the first QUIET_S seconds, and every time
+    left said is within a factor 1.5 (and a second) of the time that was left."""
+    if shape == "prepare":
+        total, chunk = 31_500_000, 65_536
+        steps = [(0.01, 5_000), (1.0, 0)] + [(chunk / 3e6, chunk)] * ((total - 5_000) // chunk)
+        steps.append(((total - sum(n for _, n in steps)) / 3e6, total - sum(n for _, n in steps)))
+    else:
+        total, steps = 20, [(45.0, 1)] + [(0.05, 1)] * 19
+    said, end = waited(clock, capsys, total, steps)
+    assert said and said[0][0] >= bars.QUIET_S, said
+    for t, line in said:
+        left = re.search(r"about ([\d:]+) left", line)
+        if left:
+            assert (end - t) / 1.5 - 1 <= seconds(left.group(1)) <= 1.5 * (end - t) + 1, \
+                (line, end - t)
+    if shape == "compiled evaluation":  # one line, at the first batch: no estimate from it
+        assert said == [(45.0, "waiting: 1/20 it (5%), 00:45 so far")]
 
 
 def test_a_busy_core_is_seen_and_gets_no_torch_thread(monkeypatch):
@@ -234,9 +275,31 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
     # the vocabulary's part of that last one: its embedding, 16 bytes a weight, at the least
     with torch.device("meta"):
         wte = RoFormer(RoFormerConfig(**{**vars(cfg), **big_vocab})).wte.weight
-    assert re.search(r"embedding and logits take ([\d,.]+) GiB", message)
+    assert re.search(r"the embedding's weights and optimizer state take ([\d,.]+) GiB",
+                     message)
     assert float(re.search(r"take ([\d,.]+) GiB", message).group(1).replace(",", "")) * 2 ** 30 \
         >= 16 * wte.numel() * 0.999
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks share the machine's RAM
     with pytest.raises(UserError, match="2.0 GiB of RAM per process"):
         runs.check_fits([("all", "batch_size", 3 * 2 ** 30)], cpu)
+
+
+@pytest.mark.parametrize("batch,block", [(16, 100_000_000), (1_000_000_000, 256)])
+def test_a_batch_too_large_names_batch_and_block_not_the_vocabulary(monkeypatch, batch, block):
+    """Issue 60 item 16: --block_size=100000000 and --batch_size=1000000000 on a small model
+    of vocab 512 were told to "lower vocab_size": the logits, which grow with batch_size x
+    block_size, were counted in the vocabulary's part. The refusal names the part that is too
+    large, the values of batch_size and block_size given and lowers them first."""
+    from model import RoFormerConfig
+    from harness.common import UserError
+    pages = {"SC_PHYS_PAGES": 2 ** 21, "SC_PAGE_SIZE": 4096}  # 8 GiB
+    monkeypatch.setattr(os, "sysconf", pages.__getitem__)
+    cfg = RoFormerConfig(vocab_size=512, block_size=block, n_layer=2, n_head=2, n_embd=32)
+    with pytest.raises(UserError) as e:
+        runs.check_fits(runs.training_memory(cfg, batch), torch.device("cpu"))
+    message = str(e.value)
+    assert f"lower batch_size ({batch:,};" in message and f"block_size ({block:,})" in message
+    assert "lower vocab_size" not in message and "\n" not in message, message
+    logits = 8 * batch * block * 512  # float32 logits and their gradient
+    shown = float(re.search(r"take ([\d,.]+) GiB", message).group(1).replace(",", ""))
+    assert shown * 2 ** 30 == pytest.approx(logits, rel=1e-3), message
