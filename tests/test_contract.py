@@ -674,12 +674,27 @@ def check_export(cfg, model_factory, kind, tmp_path):
             raise AssertionError(f"export: {kind} accepts this configuration, but the export "
                                  f"does not load back: {str(e).splitlines()[0]}") from None
     for what, got in outputs.items():
-        d = max_diff(got.double(), want.double())
+        diff = (got.double() - want.double()).abs().amax((0, 2))  # (T,): per position
+        d = diff.max().item()
         assert d <= 1e-4, (f"export: {kind} accepts this configuration, but {what} differs from "
-                           f"ours by {d:.2e} (max |logit diff|): the export does not map this "
-                           f"model (map it exactly or refuse it), or the model's maths have "
-                           f"changed (the rope rotation check and test_model.py's float64 "
-                           f"reference say which)")
+                           f"ours by {d:.2e} (max |logit diff|), first at position "
+                           f"{int((diff > 1e-4).nonzero()[0])} of {len(diff)}: the export does "
+                           f"not map this model (map it exactly or refuse it), or the model's "
+                           f"maths have changed; {rope_verdict(cfg, model_factory)}")
+
+
+def rope_verdict(cfg, model_factory):
+    """What the rope rotation check says of this model, for an export's disagreement: the
+    message once sent the reader to that check even where it had passed."""
+    try:
+        check_rope_rotation(cfg, model_factory)
+    except AssertionError as e:
+        return f"the rope rotation check fails too ({str(e).splitlines()[0]})"
+    except pytest.skip.Exception as e:
+        return (f"the rope rotation check does not apply ({e.msg}); test_model.py's float64 "
+                f"reference pins today's maths")
+    return ("the rope rotation check passes on this model (the rotation is the paper's): "
+            "look past RoPE, test_model.py's float64 reference pins the rest of today's maths")
 
 
 def export_hf(model, model_factory, folder, idx):
@@ -1268,6 +1283,30 @@ def test_an_export_that_disagrees_says_the_model_may_have_changed(tmp_path):
         check_export(contract_overrides([])[1], DoubleAngleInHalfTheHeads, "hf", tmp_path)
     assert "map it exactly or refuse it" in str(failure.value) and \
         "the model's maths have changed" in str(failure.value), failure.value
+    assert "the rope rotation check fails too (rope rotation: layer 0 head 1's" in \
+        str(failure.value), failure.value
+
+
+class FinalNormScaled(RoFormer):
+    """The final norm's output times 1.5 outside any weight: the export maps the weights alone,
+    and RoPE is untouched."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.ln_f.register_forward_hook(lambda mod, inp, out: 1.5 * out)
+
+
+def test_an_export_that_disagrees_says_what_the_rope_check_found(tmp_path):
+    """Issue 60: the disagreement pointed to the rope rotation check even where it passed. It
+    now says what that check found, and the first position that differs."""
+    from conftest import contract_overrides
+    with pytest.raises(AssertionError) as failure:
+        check_export(contract_overrides([])[1], FinalNormScaled, "hf", tmp_path)
+    said = str(failure.value)
+    assert said.startswith("export: hf accepts this configuration, but transformers' model of "
+                           "the folder differs from ours by ") and "first at position 0 of" in \
+        said, said
+    assert "the rope rotation check passes on this model" in said, said
 
 
 class ScaleGiven(RoFormer):
