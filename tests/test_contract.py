@@ -1099,17 +1099,35 @@ def base_failure(base, cfg):
     return _base_verdicts[key]
 
 
+_reported = {}  # (base, configuration, property): the self-test that failed for it
+
+
 def base_fails(base, cfg, on, prop, said):
     """The base is no ground for a stand-in: skip where this run's own contract tests check
     cfg (they report it, once), fail naming it where they do not (skipping there would hide
-    it: the base's linear attention once failed its bound with only this skip to show)."""
+    it: the base's linear attention once failed its bound with only this skip to show), in the
+    first self-test that finds it (the later ones skip, naming that one)."""
     import conftest
-    runs = getattr(conftest, "CONTRACT_RUNS", None) or conftest.contract_runs([])[0]
+    runs = getattr(conftest, "CONTRACT_RUNS", None)  # None: not under pytest's configure
+    runs = conftest.contract_runs([])[0] if runs is None else runs
     if repr(cfg) in (repr(c) for _, c in runs):
         pytest.skip(f"the base model itself fails {prop} (reported by its own test): {said}")
+    key = (base, repr(cfg), prop)
+    if key in _reported:
+        pytest.skip(f"the base model itself fails {prop} with --model {' '.join(on) or '(none)'} "
+                    f"(reported by {_reported[key]})")
+    _reported[key] = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     raise AssertionError(f"{prop}: the base model ({base.__name__}) itself fails it with --model "
                          f"{' '.join(on) or '(none)'}, a configuration this run's contract tests "
                          f"do not check: {said}")
+
+
+def as_in_the_default_run():
+    """For the tests of the self-tests' own rules, whatever --model this run has: the
+    configurations the default run checks."""
+    import conftest
+    return mock.patch.object(conftest, "CONTRACT_RUNS", conftest.contract_runs([])[0],
+                             create=True)
 
 
 def fails_where_the_base_passes(broken, check, prop, on, base=RoFormer, **kw):
@@ -1141,7 +1159,8 @@ def fails_where_the_base_passes(broken, check, prop, on, base=RoFormer, **kw):
 
 
 def test_a_broken_base_skips_the_self_test_naming_the_property():
-    with pytest.raises(pytest.skip.Exception) as skipped:  # LookAheadMask as today's RoFormer
+    with pytest.raises(pytest.skip.Exception) as skipped, as_in_the_default_run():
+        # LookAheadMask as today's RoFormer
         fails_where_the_base_passes(FutureBias, check_causality, "causality", [],
                                     base=LookAheadMask)
     assert "base model itself fails causality" in str(skipped.value), skipped.value
@@ -1362,8 +1381,30 @@ def test_a_broken_model_skips_the_self_tests_it_cannot_ground(broken, check, pro
     base = type("PassesMoreQueriesOnly", (PassesMore, QueriesOnlyTurned), {}) if passes_more \
         else QueriesOnlyTurned
     try:
-        fails_where_the_base_passes(type(broken.__name__, (base, broken), {}), check, prop, [],
-                                    base=base)
+        with as_in_the_default_run():
+            fails_where_the_base_passes(type(broken.__name__, (base, broken), {}), check, prop,
+                                        [], base=base)
     except pytest.skip.Exception as e:
         assert "the base model itself fails" in str(e) and "(reported by its own test)" in \
             str(e), e
+
+
+def test_a_broken_base_fails_once_where_the_run_does_not_check_it():
+    """A base that fails on a configuration the run's own tests do not check fails the first
+    self-test that finds it, naming the property and the --model values; the others skip,
+    naming that one (one failure per bug, not one per self-test)."""
+    import conftest
+    with mock.patch.object(conftest, "CONTRACT_RUNS", [], create=True), \
+            mock.patch.dict(_reported, clear=True):
+        with pytest.raises(AssertionError) as failure:
+            fails_where_the_base_passes(FutureBias, check_causality, "causality", [],
+                                        base=LookAheadMask)
+        assert str(failure.value).startswith("causality: the base model (LookAheadMask) itself "
+                                             "fails it with --model (none), a configuration this "
+                                             "run's contract tests do not check: causality: "), \
+            failure.value
+        with pytest.raises(pytest.skip.Exception) as skipped:
+            fails_where_the_base_passes(ScaleFromLength, check_causality, "causality", [],
+                                        base=LookAheadMask)
+        assert "(reported by tests/test_contract.py::test_a_broken_base_fails_once_where" in \
+            str(skipped.value), skipped.value
