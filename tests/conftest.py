@@ -59,17 +59,53 @@ def contract_overrides(values):
     return overrides, cfg
 
 
+ATTENTIONS = ("softmax", "linear")  # the model's two attentions: every default run checks both
+
+
+def contract_runs(values):
+    """[(id, cfg)]: the configurations the contract tests run on, each test once per entry, and
+    a note for the header. Without attention= among the --model values, both attentions: a
+    change to the shared parts (or a kernel's bug) reaches both, and the default run on softmax
+    alone passed an eq. 19 kernel that saw the future (docs/HACKING.md). An option that
+    linear attention refuses (qk_norm, ...) leaves the softmax half, and the note says why."""
+    if any(v.partition("=")[0] == "attention" for v in values):
+        cfg = contract_overrides(values)[1]
+        return [(cfg.attention, cfg)], ""
+    runs, note = [], ""
+    for attention in ATTENTIONS:
+        try:
+            runs.append((attention, contract_overrides(values + [f"attention={attention}"])[1]))
+        except pytest.UsageError as e:
+            if not runs:  # softmax, today's default: the options' own mistake
+                raise
+            note = f"; attention={attention} not checked: {str(e).partition(': ')[2]}"
+    return runs, note
+
+
 def pytest_configure(config):
-    config.contract_cfg = None
+    config.contract_cfg, config.contract_overrides = None, {}
     if config.getoption("model"):  # checked now, so a typo stops the run before any test
         config.contract_overrides, config.contract_cfg = contract_overrides(
             config.getoption("model"))
+    config.contract_runs, config.contract_note = contract_runs(config.getoption("model"))
+    global CONTRACT_RUNS  # for the self-tests: a configuration the run checks reports itself
+    CONTRACT_RUNS = config.contract_runs
 
 
 def pytest_report_header(config):
     if config.contract_cfg is not None:
         return "contract check on: " + " ".join(f"{k}={v!r}" for k, v in
-                                                config.contract_overrides.items())
+                                                config.contract_overrides.items()) + \
+            " (attention: " + ", ".join(i for i, _ in config.contract_runs) + ")" + \
+            config.contract_note
+
+
+def pytest_generate_tests(metafunc):
+    """contract_cfg: each contract test once per configuration of the run (contract_runs)."""
+    if "contract_cfg" in metafunc.fixturenames:
+        runs = metafunc.config.contract_runs
+        metafunc.parametrize("contract_cfg", [cfg for _, cfg in runs],
+                             ids=[i for i, _ in runs])
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -84,11 +120,3 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def contract_cfg(pytestconfig):
-    """The configuration tests/test_contract.py checks: the tiny base, with --model on top."""
-    if pytestconfig.contract_cfg is None:
-        return contract_overrides([])[1]
-    return pytestconfig.contract_cfg

@@ -16,10 +16,25 @@ from model import RoFormer, RoFormerConfig, apply_rope, linear_attention, rope_t
 from decode import generate, sample_next  # noqa: E402
 
 POS_ENCODINGS = ["rope", "learned", "sinusoidal", "none"]
-# The message of the tests that pin today's architecture (the float64 reference model, the
-# checkpoint key sets): they fail by design when an option changes the architecture.
-PINNED = ("this test pins today's architecture; whether a new model option is correct is "
-          "judged by: python -m pytest -q tests/test_contract.py --model KEY=VALUE")
+# The note of the tests that pin today's architecture (the float64 reference model, the
+# checkpoint key sets): they fail by design when an option changes the architecture, and a
+# failure with no option changed is a bug the contract check may not see (a wrong constant
+# attention scale keeps every contract property), so it never stands alone as the message.
+PINNED = ("this test pins today's architecture: if a new model option changed it on purpose, "
+          "the option is judged by python -m pytest -q tests/test_contract.py --model "
+          "KEY=VALUE; with no option changed, model.py is wrong here, whatever the contract "
+          "check says (it cannot see, e.g., a wrong constant attention scale)")
+
+
+def mismatch(what, got, want, reference, atol, pinned=False, t_dim=1):
+    """The message of a failed torch.allclose(got, want, atol=atol): the property, the largest
+    difference, the first position (along t_dim) and batch row where it exceeds atol."""
+    d = (got.double() - want.double()).abs()
+    over = (d > atol + 1e-5 * want.double().abs()).movedim(t_dim, 0).flatten(1).any(1)
+    first = over.nonzero().flatten()
+    where = f", first at position {first[0].item()} of {len(over)}" if len(first) else ""
+    return (f"{what}: differs from {reference} by {d.max().item():.2e} (max |diff|, atol "
+            f"{atol:g}){where}" + (f". {PINNED}" if pinned else ""))
 KINDS = [("softmax", "elu"), ("linear", "elu"), ("linear", "relu")]
 
 
@@ -328,8 +343,10 @@ def test_rope_scaling_variants():
 def test_forward_matches_reference(attention, fmap, pos_encoding):
     m = tiny(attention=attention, feature_map=fmap, pos_encoding=pos_encoding, linear_chunk=5)
     idx = torch.randint(0, 61, (2, 16))
-    got = m(idx)[0].double()
-    assert torch.allclose(got, reference_forward(m, idx), atol=1e-4), PINNED
+    got, want = m(idx)[0].double(), reference_forward(m, idx)
+    assert torch.allclose(got, want, atol=1e-4), mismatch(
+        f"forward ({attention}, {fmap}, {pos_encoding})", got, want,
+        "the float64 reference forward", 1e-4, pinned=True)
 
 
 @pytest.mark.parametrize("pos_encoding", ["rope", "learned", "none"])
@@ -339,11 +356,14 @@ def test_qk_norm_matches_reference_and_its_cache(pos_encoding):
     and k are far from RMS 1), and the cached step gives the uncached logits."""
     m = tiny(qk_norm=True, pos_encoding=pos_encoding)
     idx = torch.randint(0, 61, (2, 16))
-    got = m(idx)[0].double()
-    assert torch.allclose(got, reference_forward(m, idx), atol=1e-4)
+    got, ref = m(idx)[0].double(), reference_forward(m, idx)
+    assert torch.allclose(got, ref, atol=1e-4), mismatch(
+        f"qk_norm forward ({pos_encoding})", got, ref, "the float64 reference forward", 1e-4)
     assert not torch.allclose(got, tiny(pos_encoding=pos_encoding)(idx)[0].double(), atol=1e-3)
     want = torch.stack([m(idx[:, :t + 1])[0][:, -1] for t in range(16)], dim=1)
-    assert torch.allclose(cached_logits(m, idx, split=5), want, atol=1e-5)
+    cached = cached_logits(m, idx, split=5)
+    assert torch.allclose(cached, want, atol=1e-5), mismatch(
+        f"qk_norm cached decoding ({pos_encoding})", cached, want, "the uncached forwards", 1e-5)
     with pytest.raises(ValueError, match="qk_norm=True normalises .* attention='linear'"):
         RoFormerConfig(qk_norm=True, attention="linear")
 
@@ -384,8 +404,11 @@ def test_causality(attention, fmap, pos_encoding):
         changed = idx.clone()
         changed[0, t] = (changed[0, t] + 1) % 61
         out = m(changed)[0]
-        assert torch.equal(out[:, :t], base[:, :t]), t
-        assert not torch.allclose(out[:, t], base[:, t])
+        assert torch.equal(out[:, :t], base[:, :t]), mismatch(
+            f"causality ({attention}, {fmap}, {pos_encoding}): with token {t} changed, the "
+            f"logits before it", out[:, :t], base[:, :t], "the unchanged forward's", 0)
+        assert not torch.allclose(out[:, t], base[:, t]), \
+            f"causality: changing token {t} left its own logit unchanged (vacuous check)"
 
 
 # --- linear attention -----------------------------------------------------------------
@@ -399,7 +422,10 @@ def test_linear_chunked_equals_naive_eq19(fmap, chunk):
     cos, sin = rope_table(torch.arange(N), D)
     got, _ = linear_attention(q, k, v, cos, sin, fmap, chunk)
     assert got.dtype == torch.float32
-    assert torch.allclose(got.double(), naive_eq19(q, k, v, fmap), atol=1e-5)
+    want = naive_eq19(q, k, v, fmap)
+    assert torch.allclose(got.double(), want, atol=1e-5), mismatch(
+        f"eq. 19 (linear_attention, chunk {chunk}, {fmap})", got, want,
+        "the naive float64 double sum", 1e-5, t_dim=2)
 
 
 def test_linear_recurrent_decoding_equals_chunked():
@@ -414,8 +440,13 @@ def test_linear_recurrent_decoding_equals_chunked():
         o, state = linear_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], cos[a:b], sin[a:b],
                                     chunk=8, state=state)
         outs.append(o)
-    assert torch.allclose(torch.cat(outs, 2), full, atol=1e-5)
-    assert torch.allclose(state[0], S, atol=1e-4) and torch.allclose(state[1], z, atol=1e-4)
+    got = torch.cat(outs, 2)
+    assert torch.allclose(got, full, atol=1e-5), mismatch(
+        "eq. 19 recurrent (a 5-token prefill, then one token per call)", got, full,
+        "the chunked kernel over the whole sequence", 1e-5, t_dim=2)
+    assert torch.allclose(state[0], S, atol=1e-4) and torch.allclose(state[1], z, atol=1e-4), \
+        (f"eq. 19 recurrent state: S differs by {(state[0] - S).abs().max():.2e}, z by "
+         f"{(state[1] - z).abs().max():.2e} from the chunked kernel's final state (atol 1e-4)")
     assert state[0].shape == (B, H, D, D)  # constant size, whatever N was
 
 
@@ -509,7 +540,10 @@ def test_cached_logits_equal_uncached_inside_block(attention, fmap, pos_encoding
     idx = torch.randint(0, 61, (2, 16))
     got = cached_logits(m, idx, split=5)
     want = torch.stack([m(idx[:, :t + 1])[0][:, -1] for t in range(16)], dim=1)
-    assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(got, want, atol=1e-5), mismatch(
+        f"cached decoding ({attention}, {fmap}, {pos_encoding}; a 5-token prefill, then one "
+        f"token per step)",
+        got, want, "the uncached forwards", 1e-5)
 
 
 @pytest.mark.parametrize("pos_encoding", ["rope", "sinusoidal", "none"])
@@ -520,10 +554,14 @@ def test_rolling_cache_is_sliding_window_attention(pos_encoding):
     idx = torch.randint(0, 61, (1, 24))
     got = cached_logits(m, idx, split=3)
     want = reference_forward(m, idx, window=8)
-    assert torch.allclose(got.double(), want, atol=1e-4), PINNED
+    assert torch.allclose(got.double(), want, atol=1e-4), mismatch(
+        f"rolling cache ({pos_encoding}; a 3-token prefill, then one token per step)", got, want,
+        "the float64 reference with a causal mask banded to 8", 1e-4, pinned=True)
     # one chunked prefill of the whole sequence (wider than the buffer) is the same thing
-    assert torch.allclose(m(idx, cache=m.new_cache(24, idx.device), start_pos=0)[0].double(),
-                          want, atol=1e-4), PINNED
+    prefill = m(idx, cache=m.new_cache(24, idx.device), start_pos=0)[0].double()
+    assert torch.allclose(prefill, want, atol=1e-4), mismatch(
+        f"rolling cache, one 24-token prefill ({pos_encoding})", prefill, want,
+        "the float64 reference with a causal mask banded to 8", 1e-4, pinned=True)
     # crop and recompute differs for n_layer > 1: at init by little, but far above float32's
     # rounding of these logits (~1e-7)
     crop = m(idx[:, -8:])[0][:, -1]
@@ -544,7 +582,10 @@ def test_a_long_window_builds_no_table_until_a_position_needs_it():
 def test_rope_forward_past_block_size_grows_table():
     m = tiny(block_size=8)
     idx = torch.randint(0, 61, (1, 20))
-    assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-4), PINNED
+    got, want = m(idx)[0].double(), reference_forward(m, idx)
+    assert torch.allclose(got, want, atol=1e-4), mismatch(
+        "forward past block_size 8", got, want, "the float64 reference forward", 1e-4,
+        pinned=True)
     assert m.rope_cos.size(0) >= 20
 
 
@@ -952,7 +993,10 @@ def test_position_design_defaults_leave_todays_model_and_old_checkpoints_as_they
     assert all(getattr(old, f) == RoFormerConfig.__dataclass_fields__[f].default for f in new)
     m, idx = tiny(), torch.randint(0, 61, (1, 16))
     assert m.config == old and all(b.attn.rotates and not b.attn.window for b in m.blocks)
-    assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-5), PINNED
+    got, want = m(idx)[0].double(), reference_forward(m, idx)
+    assert torch.allclose(got, want, atol=1e-5), mismatch(
+        "forward at every new field's default", got, want, "the float64 reference forward",
+        1e-5, pinned=True)
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -1084,3 +1128,36 @@ def test_params_and_flops():
     assert m.num_params(non_embedding=False) == n  # tied head counted once
     assert m.num_params() == n - 16 * 16
     assert flops_per_token(m.config, m.num_params(), 16) > 6 * m.num_params()
+
+
+def test_a_wrong_model_fails_naming_the_property_and_the_position():
+    """Issue 60: these tests failed as `AssertionError: 5` or `assert False`, and the float64
+    reference's message pointed only at the contract check, as if only a new option could make
+    it fail. Attention that doubles its values (the contract check does not see that either: it
+    is a reparametrisation of c_attn), and a mask that sees the next token, each fail naming the
+    property, the distance and the first position."""
+    import model as M
+
+    def functional(sdpa):  # model.py's F with another SDPA; the references keep torch's
+        return mock.patch.object(M, "F", type("F", (), {
+            "__getattr__": lambda self, name: getattr(F, name),
+            "scaled_dot_product_attention": staticmethod(sdpa)})())
+    real = F.scaled_dot_product_attention
+    with functional(lambda q, k, v, *a, **kw: real(q, k, 2 * v, *a, **kw)), \
+            pytest.raises(AssertionError) as failure:
+        test_forward_matches_reference("softmax", "elu", "rope")
+    said = str(failure.value)
+    assert said.startswith("forward (softmax, elu, rope): differs from the float64 reference "
+                           "forward by ") and ", first at position 0 of 16" in said, said
+    assert "with no option changed, model.py is wrong here" in said, said
+
+    def look_ahead(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril(1)
+        return real(q, k, v, mask if is_causal else attn_mask, dropout_p, **kw)
+    with functional(look_ahead), pytest.raises(AssertionError) as failure:
+        test_causality("softmax", "elu", "rope")
+    assert str(failure.value).startswith("causality (softmax, elu, rope): with token 5 changed, "
+                                         "the logits before it: differs from the unchanged "
+                                         "forward's by "), failure.value
+    # two layers, each seeing one token ahead: position 3 reads 4, which read token 5
+    assert ", first at position 3 of 5" in str(failure.value), str(failure.value)[:300]

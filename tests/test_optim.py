@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -156,7 +158,12 @@ def test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain
         for n, p in m.named_parameters():
             if n not in hidden:  # the AdamW part: a plain (unfused) AdamW's step, to rounding
                 want = dict(ref.named_parameters())[n]
-                assert (p - want).abs().max() < 1e-7 < (p - before[n]).abs().max(), n
+                off, moved = (p - want).abs().max().item(), (p - before[n]).abs().max().item()
+                assert off < 1e-7 < moved, (
+                    f"AdamW part: {n} after step {it + 1} is {off:.2e} from plain AdamW's "
+                    f"(tolerance 1e-7) and moved by {moved:.2e} (must be above 1e-7): the muon "
+                    f"optimizer's AdamW group for it (optim.py, muon.py MuonAdamW) is not plain "
+                    f"AdamW with lr={lr}, betas (0.9, 0.95), weight decay {wd} on matrices")
                 continue
             buf[n] = mom * buf[n] + g[n]  # B_t = mu B_{t-1} + g_t; nesterov: g_t + mu B_t
             want = newton_schulz_reference(g[n] + mom * buf[n])
@@ -165,10 +172,16 @@ def test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain
             update = (before[n].double() * (1 - muon_lr * wd) - p.double()) / rate
             # Newton-Schulz in float32 (this CPU) or bfloat16 (native there): to rounding
             tol = 1e-4 if opt.muon.ns_dtype == torch.float32 else 0.03
-            assert (update - want).norm() / want.norm() < tol, n
+            err = ((update - want).norm() / want.norm()).item()
+            assert err < tol, (f"Muon update: {n} after step {it + 1} is {err:.2e} (relative) "
+                               f"from the documented update (nesterov momentum {mom}, "
+                               f"Newton-Schulz, rate {muon_lr} x sqrt(max(1, rows/cols)), "
+                               f"decoupled decay {wd}), tolerance {tol} (muon.py)")
             # orthogonalised: the singular values bunched near one, not the momentum's 1 to 0.1
             s = torch.linalg.svdvals(update)
-            assert s.min() > 0.5 and s.max() < 1.3, (n, s.min(), s.max())
+            assert s.min() > 0.5 and s.max() < 1.3, (
+                f"Muon update: {n}'s update at step {it + 1} is not orthogonalised: singular "
+                f"values {s.min():.3f} to {s.max():.3f}, not within (0.5, 1.3) (muon.py)")
         with torch.no_grad():  # keep the reference on the same weights for the next step
             for n, p in ref.named_parameters():
                 p.copy_(dict(m.named_parameters())[n])
@@ -202,7 +215,10 @@ def test_state_dict_round_trip_resumes_bit_exact():
     assert opt.muon.state and opt.adamw.state  # both optimizers' states came back
     run(resumed, opt, range(2, 4))
     for (n, a), b in zip(whole.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), n
+        assert torch.equal(a, b), (f"resume: {n} after 2 + 2 steps resumed from a saved "
+                                   f"optimizer state differs from 4 uninterrupted steps by "
+                                   f"{(a - b).abs().max():.2e} (must be bit-exact: muon.py's "
+                                   f"state_dict / load_state_dict)")
 
 
 def test_muon_refuses_an_adamw_state_and_unknown_names():
@@ -244,7 +260,10 @@ def test_muon_in_bfloat16_is_torch_optim_muon_to_the_bit_and_loads_its_state():
             opt.step()
             opt.zero_grad()
         for a, b in zip(hidden(ours_model), hidden(torch_model)):
-            assert torch.equal(a, b), it
+            assert torch.equal(a, b), (f"Muon against torch.optim.Muon: a hidden matrix "
+                                       f"differs by {(a - b).abs().max():.2e} after step {it + 1}"
+                                       f"{' (resumed from torch state)' if it == 2 else ''} "
+                                       f"(must be bit-exact: muon.py)")
 
 
 def test_muon_in_float32_where_bf16_is_emulated_and_closer_to_the_exact_update():
@@ -338,3 +357,26 @@ def test_a_cpu_that_emulates_bf16_trains_and_orthogonalises_in_float32():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.stdout.split() == ["float32", "torch.float32"], out.stdout + out.stderr
+
+
+def test_a_wrong_optimizer_step_says_which_part_and_parameter():
+    """Issue 60: this file's checks failed as `AssertionError: blocks.0.ln_1.weight`. A planted
+    bug in each part (AdamW's betas; Muon's Newton-Schulz coefficients) fails naming the part,
+    the parameter, the step and the distance."""
+    real = build_optimizer
+
+    def wrong_betas(*args, **kw):
+        opt = real(*args, **kw)
+        for g in opt.adamw.param_groups:
+            g["betas"] = (0.8, 0.95)
+        return opt
+    with mock.patch(f"{__name__}.build_optimizer", wrong_betas), \
+            pytest.raises(AssertionError) as failure:
+        test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain_adamw()
+    assert str(failure.value).startswith("AdamW part: ") and " after step 2 is " in \
+        str(failure.value) and "from plain AdamW's" in str(failure.value), failure.value
+    with mock.patch.object(Muon, "COEFFICIENTS", (2.0, -1.5, 0.5)), \
+            pytest.raises(AssertionError) as failure:
+        test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain_adamw()
+    assert str(failure.value).startswith("Muon update: blocks.") and "from the documented " \
+        "update" in str(failure.value), failure.value
