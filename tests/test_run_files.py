@@ -1,0 +1,115 @@
+"""A run's files changing under it or after it (issue 60's seventh sweep): a checkpoint whose
+bytes changed, a dataset prepared again while a run trains or before it resumes, an out_dir that
+is a dataset folder, an evaluation that is not finite, and the log's clock across a resume.
+References: the files themselves (their bytes, torch.load's own reading), an unbroken run, and
+the values the command was given."""
+import json
+import os
+import shutil
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_eval import make_run, one_line_error  # noqa: E402
+from test_train import TINY, load, log, make_data, train, train_here  # noqa: E402
+from test_train import one_line_error as one_line  # noqa: E402
+
+import eval as evaluation  # noqa: E402
+import export  # noqa: E402
+import sample  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A prepared dataset (with its tokenizer) and a 4-iteration run on it."""
+    root = str(tmp_path_factory.mktemp("runfiles"))
+    out, data = make_run(root, iters=4)
+    return {"root": root, "out": out, "data": data}
+
+
+# ----------------------------------------------------------------------------------------
+# item 11: a checkpoint whose bytes changed
+
+def largest_member_data(path):
+    """(offset, size) of the bytes of the largest member of the zip archive at `path` (a
+    tensor's storage in a torch checkpoint), read from the archive's own headers."""
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+    name_len, extra_len = int.from_bytes(header[26:28], "little"), \
+        int.from_bytes(header[28:30], "little")
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def damage(path, n=4096):
+    """Invert n bytes in the middle of the largest tensor's storage of the checkpoint."""
+    offset, size = largest_member_data(path)
+    assert size >= n, (size, n)
+    at = offset + (size - n) // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        block = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in block))
+
+
+@pytest.fixture
+def damaged(run, tmp_path):
+    out = str(tmp_path / "out")
+    shutil.copytree(run["out"], out)
+    path = os.path.join(out, "ckpt.pt")
+    before = torch.load(path, map_location="cpu", weights_only=True)
+    damage(path)
+    after = torch.load(path, map_location="cpu", weights_only=True)  # torch sees nothing
+    changed = [k for k in before["model"] if not torch.equal(before["model"][k],
+                                                              after["model"][k])]
+    changed += [i for i in before["optimizer"]["state"] for k in before["optimizer"]["state"][i]
+                if not torch.equal(before["optimizer"]["state"][i][k],
+                                   after["optimizer"]["state"][i][k])]
+    assert changed, "the damage changed no tensor: the test damages the wrong bytes"
+    return out, path
+
+
+def test_a_damaged_checkpoint_is_refused_by_sample_eval_and_export(damaged, run, tmp_path):
+    out, path = damaged
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 8)
+    for fn, args in ((sample.main, [f"--out_dir={out}", "--max_new_tokens=4", "--device=cpu"]),
+                     (evaluation.main, [f"--out_dir={out}", f"--input={text}", "--device=cpu"]),
+                     (export.main, [f"--out_dir={out}", f"--hf_dir={tmp_path / 'hf'}"])):
+        msg = one_line_error(fn, args)
+        assert path in msg and "changed since it was saved" in msg, (fn, msg)
+
+
+def test_a_damaged_checkpoint_is_refused_by_resume_and_init_from(damaged, run, tmp_path):
+    out, path = damaged
+    common = [f"--data_dir={run['data']}", "--dataset=tiny", "--n_layer=2", "--n_head=2",
+              "--n_embd=32", "--block_size=32", "--batch_size=8", "--compile=False",
+              "--eval_iters=2", "--dtype=float32"]
+    for args in (["--init_from=resume", f"--out_dir={out}", "--max_iters=6"],
+                 [f"--init_from={out}", f"--out_dir={tmp_path / 'new'}", "--max_iters=2"]):
+        msg = one_line(train_here(*common, *args))
+        assert path in msg and "changed since it was saved" in msg, msg
+
+
+def test_an_intact_checkpoint_and_one_without_a_digest_load(run, tmp_path, capsys):
+    """The digest refuses only a changed file: the run's own samples, and so does a checkpoint
+    written before digests (the key removed), byte for byte the same text."""
+    sample.main([f"--out_dir={run['out']}", "--max_new_tokens=8", "--device=cpu", "--seed=3"])
+    want = capsys.readouterr().out
+    old = str(tmp_path / "old")
+    shutil.copytree(run["out"], old)
+    ckpt = torch.load(os.path.join(old, "ckpt.pt"), weights_only=True)
+    assert "digest" in ckpt
+    del ckpt["digest"]
+    torch.save(ckpt, os.path.join(old, "ckpt.pt"))
+    sample.main([f"--out_dir={old}", "--max_new_tokens=8", "--device=cpu", "--seed=3"])
+    assert capsys.readouterr().out == want
