@@ -113,3 +113,24 @@ def test_an_intact_checkpoint_and_one_without_a_digest_load(run, tmp_path, capsy
     torch.save(ckpt, os.path.join(old, "ckpt.pt"))
     sample.main([f"--out_dir={old}", "--max_new_tokens=8", "--device=cpu", "--seed=3"])
     assert capsys.readouterr().out == want
+
+
+@pytest.mark.slow
+def test_a_damaged_fsdp_shard_folder_is_refused_on_resume(tmp_path):
+    """An FSDP run's ckpt.pt names a DCP folder that holds the optimizer's shards: its files'
+    digest is in ckpt.pt, checked before they are loaded (here by one process, resharding)."""
+    data, out = make_data(str(tmp_path / "data")), str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32"]
+    from test_train import torchrun
+    torchrun(2, *common, "--max_iters=2", "--fsdp=True", "--gradient_accumulation_steps=2")
+    folder = os.path.join(out, load(out)["sharded"])
+    shard = max((os.path.join(folder, f) for f in os.listdir(folder)), key=os.path.getsize)
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:  # 4 KiB inverted in the middle of the largest shard file
+        f.seek(size // 2 - 2048)
+        block = f.read(4096)
+        f.seek(size // 2 - 2048)
+        f.write(bytes(b ^ 0xFF for b in block))
+    msg = one_line(train_here(*common, "--max_iters=4", "--init_from=resume",
+                              "--gradient_accumulation_steps=2"))
+    assert folder in msg and "changed since" in msg, msg
