@@ -107,8 +107,8 @@ ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "l
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    # a fresh memmap per call: a long-lived one keeps its pages resident (size: harness/dataset.py)
-    data = np.memmap(os.path.join(ddir, f"{split}.bin"), dtype=job.meta["dtype"], mode="r")
+    # the files opened at the start: never a dataset prepared again under the run (dataset.py)
+    data = job.splits.tokens(split)
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
@@ -175,6 +175,7 @@ def evaluate():
     runs the collective forwards). Its generator is rebuilt from the seed every time, so every
     evaluation sees the same batches and no training RNG is consumed."""
     global best_val_loss
+    job.splits.check(master and progress.write)  # the data it started with (dataset.py)
     if not (master or fsdp):
         return
     losses = {}

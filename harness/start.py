@@ -16,7 +16,7 @@ import optim
 from harness import mfu, run
 from harness.common import UserError
 from harness.config import check_seed
-from harness.dataset import check_split_sizes, open_dataset
+from harness.dataset import Splits, check_split_sizes, open_dataset
 from harness.device import native_bf16, pick_device, pick_threads, placed
 from model import RoFormerConfig
 
@@ -147,7 +147,8 @@ def open_run(c, given, model_keys, loop_keys, p):
     run.check_fits(run.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
-    return SimpleNamespace(ddir=ddir, meta=meta, tokenizer=tokenizer, run_id=run_id, ckpt=ckpt,
+    return SimpleNamespace(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
+                           run_id=run_id, ckpt=ckpt,
                            source=source, source_path=c["init_from"], mconf=mconf,
                            resumed=ckpt is not None)
 

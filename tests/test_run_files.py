@@ -134,3 +134,66 @@ def test_a_damaged_fsdp_shard_folder_is_refused_on_resume(tmp_path):
     msg = one_line(train_here(*common, "--max_iters=4", "--init_from=resume",
                               "--gradient_accumulation_steps=2"))
     assert folder in msg and "changed since" in msg, msg
+
+
+# ----------------------------------------------------------------------------------------
+# item 12: a dataset prepared again while a run trains
+
+def another_dataset(d, in_place):
+    """Prepare d again under a run: other ids (another tokenizer's), published as prepare
+    publishes them (a temp file renamed into place), or written into the open files."""
+    rng = np.random.default_rng(1)
+    for split in ("train", "val"):
+        path = os.path.join(d, f"{split}.bin")
+        n = os.path.getsize(path) // 2
+        ids = rng.integers(0, 64, n).astype(np.uint16)
+        if in_place:
+            with open(path, "r+b") as f:
+                f.write(ids.tobytes())
+        else:
+            ids.tofile(path + ".tmp")
+            os.replace(path + ".tmp", path)
+
+
+def train_and_prepare_again(data, out, args, in_place):
+    """train.py on `data`, which is prepared again once the evaluation at iteration 0 is logged
+    (the run stopped meanwhile, so that it has iterations left). Returns (exit code, stderr)."""
+    import signal
+    import subprocess
+    from test_train import TRAIN, env
+    p = subprocess.Popen([sys.executable, TRAIN, f"--data_dir={data}", f"--out_dir={out}", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=env())
+    for line in p.stdout:
+        if line.startswith("iter 0: train"):
+            p.send_signal(signal.SIGSTOP)
+            break
+    another_dataset(data, in_place)
+    p.send_signal(signal.SIGCONT)
+    stdout, stderr = p.communicate(timeout=300)
+    return p.returncode, stdout, stderr
+
+
+RUN_ARGS = [*TINY, "--dtype=float32", "--max_iters=60", "--eval_interval=20"]
+
+
+def test_a_run_trains_on_the_data_it_started_with(tmp_path):
+    """Reference: the same run on a dataset nobody touched. The weights, and every
+    evaluation in the log, are that run's."""
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "out")
+    train(f"--data_dir={make_data(str(tmp_path / 'd1'))}", f"--out_dir={ref}", *RUN_ARGS)
+    code, stdout, stderr = train_and_prepare_again(make_data(str(tmp_path / "d2")), out,
+                                                   RUN_ARGS, in_place=False)
+    assert code == 0, stderr[-2000:]
+    assert "was prepared again" in stdout
+    a, b = load(ref), load(out)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert [r["val_loss"] for r in log(ref)] == [r["val_loss"] for r in log(out)]
+
+
+def test_a_dataset_rewritten_in_place_under_a_run_stops_it_in_one_line(tmp_path):
+    data, out = make_data(str(tmp_path / "d")), str(tmp_path / "out")
+    code, stdout, stderr = train_and_prepare_again(data, out, RUN_ARGS, in_place=True)
+    msg = one_line(type("R", (), {"returncode": code, "stderr": stderr})())
+    assert os.path.join(data, "train.bin") in msg and "rewritten" in msg, msg
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # nothing saved from other data
