@@ -193,6 +193,10 @@ def evaluate():
         losses[split] = split_losses.mean().item()
     batches.close()
     eval_model.train()
+    if not all(map(math.isfinite, losses.values())):  # never saved, nor called good
+        progress.close(iter_num)
+        raise UserError(run.diverged(f"evaluation: train {losses['train']:.4g}, val "
+                                     f"{losses['val']:.4g}", iter_num, ckpt_path))
     if not master:
         return
     best_val_loss = min(best_val_loss, losses["val"])
@@ -257,8 +261,7 @@ while iter_num < max_iters:
     non_finite, stopping = step_flags.tolist()
     if non_finite:
         progress.close(iter_num)
-        raise UserError(f"non-finite loss at iteration {iter_num}; stopping without saving "
-                        f"(the last good checkpoint, if any, is {ckpt_path})")
+        raise UserError(run.diverged("training step", iter_num, ckpt_path))
     scaler.unscale_(opt)
     # the global gradient norm, over all ranks' gradients; clip to grad_clip (0: no clipping)
     grad_norm = parallel.clip_grad_norm(raw_model, grad_clip) if ddp else \

@@ -201,6 +201,19 @@ def resume_command(argv, ddp):
     return "python " + shlex.join([argv[0], *args, "--init_from=resume"])
 
 
+def diverged(what, iter_num, ckpt_path):
+    """The line that stops a run whose loss (`what`: the step's, or an evaluation's) at
+    iter_num is not finite: nothing is saved, so the checkpoint named (if any) holds the last
+    weights whose evaluation was finite."""
+    if os.path.exists(ckpt_path):
+        kept = (f"the last good checkpoint is {ckpt_path}: resume from it with a lower "
+                f"--learning_rate (or --grad_clip=1) and --init_from=resume")
+    else:
+        kept = ("no checkpoint was saved: start again with a lower --learning_rate (or "
+                "--grad_clip=1)")
+    return f"non-finite loss at iteration {iter_num} ({what}); stopping without saving ({kept})"
+
+
 def new_log(log_path):
     """A new run starts an empty log.jsonl (one that crashed before its first checkpoint may
     have left one). The log is not the run's state: failing to write it costs a warning."""

@@ -197,3 +197,41 @@ def test_a_dataset_rewritten_in_place_under_a_run_stops_it_in_one_line(tmp_path)
     msg = one_line(type("R", (), {"returncode": code, "stderr": stderr})())
     assert os.path.join(data, "train.bin") in msg and "rewritten" in msg, msg
     assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # nothing saved from other data
+
+
+# ----------------------------------------------------------------------------------------
+# item 13: an evaluation that is not finite is never saved, nor called good
+
+DIVERGE = ["--learning_rate=1e6", "--grad_clip=0", "--warmup_iters=0", "--min_lr=0",
+           "--eval_interval=1"]
+
+
+def test_a_nan_evaluation_is_not_saved(tmp_path):
+    """A learning rate of 1e6 without clipping: the weights are NaN after the first step, which
+    the evaluation at iteration 1 sees before any step's loss does."""
+    data, out = make_data(str(tmp_path / "d")), str(tmp_path / "out")
+    r = train_here(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32",
+                   "--max_iters=6", *DIVERGE)
+    msg = one_line(r)
+    assert "non-finite loss at iteration 1 (evaluation: train nan, val nan)" in msg, msg
+    assert "no checkpoint was saved" in msg and "--learning_rate" in msg, msg
+    assert not os.path.exists(os.path.join(out, "ckpt.pt"))
+
+
+def test_the_checkpoint_called_good_after_a_nan_evaluation_is_good(tmp_path):
+    """A run resumed with a diverging rate stops at the first evaluation that is not finite;
+    the checkpoint the message names holds finite weights from before it, and resumes."""
+    import re
+    data, out = make_data(str(tmp_path / "d")), str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32"]
+    train(*common, "--max_iters=2")
+    path = os.path.join(out, "ckpt.pt")
+    msg = one_line(train_here(*common, "--max_iters=8", "--init_from=resume", *DIVERGE))
+    stopped = int(re.search(r"non-finite loss at iteration (\d+) \(evaluation", msg).group(1))
+    assert f"the last good checkpoint is {path}" in msg, msg
+    ckpt = load(out)
+    assert 2 <= ckpt["iter_num"] < stopped
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert all(np.isfinite(r["val_loss"]) for r in log(out))
+    train(*common, "--max_iters=9", "--init_from=resume")
+    assert all(torch.isfinite(t).all() for t in load(out)["model"].values())
