@@ -82,6 +82,19 @@ def prepare_out_dir(out_dir, master=True):
         raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})") from None
 
 
+def check_apart_from_data(out_dir, ddir):
+    """Refuse an out_dir that is a dataset folder (the run's, or any with a meta.json):
+    preparing that dataset again would replace the files the run keeps there (its
+    tokenizer.model copy, which sample, eval and export read)."""
+    real = os.path.realpath(out_dir)
+    if real == os.path.realpath(ddir):
+        raise UserError(f"out_dir {out_dir} is the dataset folder the run reads: preparing it "
+                        f"again would replace the run's files there; pass another --out_dir")
+    if os.path.isfile(os.path.join(real, "meta.json")):
+        raise UserError(f"out_dir {out_dir} holds a prepared dataset (meta.json): preparing it "
+                        f"again would replace the run's files there; pass another --out_dir")
+
+
 out_dir_lock = []  # the open lock file: the lock lasts as long as this process
 
 

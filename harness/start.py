@@ -121,6 +121,7 @@ def open_run(c, given, model_keys, loop_keys, p):
         c.update(source_args, init_from=os.path.abspath(c["init_from"]))
     if c["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
         c["vocab_size"] = meta["vocab_size"]
+    run.check_apart_from_data(c["out_dir"], ddir)
     run.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
     ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
             if c["init_from"] == "resume" or restarts else None)

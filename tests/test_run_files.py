@@ -235,3 +235,16 @@ def test_the_checkpoint_called_good_after_a_nan_evaluation_is_good(tmp_path):
     assert all(np.isfinite(r["val_loss"]) for r in log(out))
     train(*common, "--max_iters=9", "--init_from=resume")
     assert all(torch.isfinite(t).all() for t in load(out)["model"].values())
+
+
+# ----------------------------------------------------------------------------------------
+# item 14: out_dir is a dataset folder
+
+@pytest.mark.parametrize("which", ["its own", "another"])
+def test_an_out_dir_that_is_a_dataset_folder_is_refused(tmp_path, which):
+    data = make_data(str(tmp_path / "d"))
+    out = data if which == "its own" else make_data(str(tmp_path / "other"))
+    before = sorted(os.listdir(out))
+    msg = one_line(train_here(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=1"))
+    assert f"out_dir {out} " in msg and "--out_dir" in msg, msg
+    assert sorted(os.listdir(out)) == before  # nothing written there
