@@ -107,13 +107,17 @@ def open_run(c, given, model_keys, loop_keys, p):
     restart of this very run (never another run's checkpoint), or init_from=RUN's weights.
     Sets c's data_dir, vocab_size and model keys to the model that runs (on resume, the
     checkpoint's). Exits when a resumed run has nothing left to train."""
-    ddir, meta = open_dataset(c["dataset"], c["data_dir"], p.master, p.ddp,
-                              named="dataset" in given)
-    tokenizer = run.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
-    c["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
     run_id, restarts = run.run_identity()
     if c["init_from"] != "scratch" or restarts:
         from harness import resume  # only when starting from a checkpoint
+    ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
+            if c["init_from"] == "resume" or restarts else None)
+    if ckpt is not None:  # without --dataset and --data_dir: the dataset the run read
+        resume.recorded_dataset(ckpt, c, given)
+    ddir, meta = open_dataset(c["dataset"], c["data_dir"], p.master, p.ddp,
+                              named="dataset" in given or ckpt is not None)
+    tokenizer = run.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
+    c["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
     source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
     if c["init_from"] not in ("scratch", "resume"):
         source, source_args = resume.continue_from(c["init_from"], c, model_keys, tokenizer,
@@ -123,20 +127,11 @@ def open_run(c, given, model_keys, loop_keys, p):
         c["vocab_size"] = meta["vocab_size"]
     run.check_apart_from_data(c["out_dir"], ddir)
     run.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
-    ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
-            if c["init_from"] == "resume" or restarts else None)
     if ckpt is not None:
         model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
         resume.check(ckpt, c, tokenizer, loop_keys, p.master)
         run_id = ckpt.get("run_id") or run_id  # the same run, continued: one id
-        if ckpt["iter_num"] >= c["max_iters"]:  # said, and nothing written
-            if p.master:
-                print(f"note: the checkpoint is at iteration {ckpt['iter_num']}, max_iters="
-                      f"{c['max_iters']}: nothing to train (raise --max_iters)", flush=True)
-            if p.ddp:
-                from harness import parallel
-                parallel.finish()  # exits once every rank is here
-            sys.exit(0)
+        exit_if_done(ckpt["iter_num"], c["max_iters"], p)
     else:
         run.move_aside(c["out_dir"], p.master, p.ddp)  # another run's checkpoint stays
         model_args = {k: c[k] for k in model_keys}
@@ -152,6 +147,19 @@ def open_run(c, given, model_keys, loop_keys, p):
                            run_id=run_id, ckpt=ckpt,
                            source=source, source_path=c["init_from"], mconf=mconf,
                            resumed=ckpt is not None)
+
+
+def exit_if_done(iter_num, max_iters, p):
+    """A resumed run with nothing left to train says so, writes nothing and exits 0."""
+    if iter_num < max_iters:
+        return
+    if p.master:
+        print(f"note: the checkpoint is at iteration {iter_num}, max_iters={max_iters}: nothing "
+              f"to train (raise --max_iters)", flush=True)
+    if p.ddp:
+        from harness import parallel
+        parallel.finish()  # exits once every rank is here
+    sys.exit(0)
 
 
 def load_checkpoint(job, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):

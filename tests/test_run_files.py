@@ -248,3 +248,57 @@ def test_an_out_dir_that_is_a_dataset_folder_is_refused(tmp_path, which):
     msg = one_line(train_here(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=1"))
     assert f"out_dir {out} " in msg and "--out_dir" in msg, msg
     assert sorted(os.listdir(out)) == before  # nothing written there
+
+
+# ----------------------------------------------------------------------------------------
+# item 16: resuming after the dataset was prepared again, or without naming it
+
+def with_tokenizer(d, text):
+    from test_train import tokenizer_model
+    tokenizer_model(os.path.join(d, "tokenizer.model"), text)
+    return d
+
+
+TEXT = ". ".join(f"alpha beta gamma {i} delta epsilon" for i in range(300))
+
+
+def test_resume_after_a_re_prepare_names_the_folder_once_and_the_way_on(tmp_path):
+    data = with_tokenizer(make_data(str(tmp_path / "d")), TEXT)
+    out = str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY]
+    train(*common, "--max_iters=2")
+    with_tokenizer(data, TEXT.replace("alpha", "omega"))  # the folder prepared again
+    msg = one_line(train_here(*common, "--max_iters=4", "--init_from=resume"))
+    path = os.path.join(data, "tokenizer.model")
+    assert msg.count(path) == 1 and "prepared again" in msg, msg
+    assert f"--tokenizer={out}" in msg, msg
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """harness/dataset.py's build of the default corpus, recorded instead of run (minutes)."""
+    import subprocess
+    from harness import dataset
+    calls = []
+    fake = lambda cmd, *a, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1)  # noqa: E731
+    monkeypatch.setattr(dataset, "subprocess", type("NoBuild", (), {"run": staticmethod(fake)}))
+    return calls
+
+
+def test_resume_without_dataset_flags_reads_the_checkpoints_dataset(tmp_path, no_build):
+    data = with_tokenizer(make_data(str(tmp_path / "d")), TEXT)
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", "--dataset=tiny", f"--out_dir={out}", *TINY, "--max_iters=2")
+    r = train_here(f"--out_dir={out}", "--max_iters=3", "--init_from=resume", "--compile=False")
+    assert r.returncode == 0 and not no_build, (no_build, r.stderr[-2000:])
+    assert load(out)["iter_num"] == 3 and load(out)["config"]["data_dir"] == data
+
+
+def test_resume_whose_dataset_is_gone_says_so_and_builds_nothing(tmp_path, no_build):
+    data = with_tokenizer(make_data(str(tmp_path / "d")), TEXT)
+    out = str(tmp_path / "out")
+    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2")
+    shutil.rmtree(data)
+    msg = one_line(train_here(f"--out_dir={out}", "--max_iters=3", "--init_from=resume",
+                              "--compile=False"))
+    assert data in msg and "--data_dir" in msg and not no_build, (msg, no_build)
