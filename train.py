@@ -136,7 +136,7 @@ opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta
 scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "float16")
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 # resume: weights, optimizer, scaler, RNGs and where the run stands; init_from=RUN: RUN's weights
-iter_num, best_val_loss, tokens_seen, wandb_id = start.load_checkpoint(
+iter_num, best_val_loss, tokens_seen, wandb_id, time_before = start.load_checkpoint(
     job, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
 resumed, start_iter = job.resumed, iter_num
 
@@ -166,6 +166,7 @@ def save_checkpoint():
         "scaler": scaler.state_dict() or None, "run_id": run_id,  # scaler: {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf), "config": config,
+        "time_s": time_before + time.time() - progress.t_start,  # the run's, resumes included
         "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
@@ -202,7 +203,7 @@ def evaluate():
     best_val_loss = min(best_val_loss, losses["val"])
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
               "lr": learning_rate * lr_factor(iter_num), "tokens": tokens_seen,
-              "time_s": round(time.time() - progress.t_start, 3)}
+              "time_s": round(time_before + time.time() - progress.t_start, 3)}
     run.append_log(log_path, record, progress.write)
     progress.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:

@@ -1,5 +1,6 @@
 """Starting from a checkpoint (train.py imports this only then): init_from=resume, or a torchrun
 restart of this run, continues it exactly; init_from=RUN starts a new run from RUN's weights."""
+import contextlib
 import dataclasses
 import json
 import os
@@ -125,14 +126,31 @@ def load_state(ckpt, path, raw_model, optimizer, scaler):
 
 def restore(ckpt, path, raw_model, optimizer, scaler, tokens_per_iter, master):
     """load_state, then where the run stands: (iteration, best val loss, tokens seen, wandb
-    id). A resumed run may use another batch size: its tokens are counted, not iterations."""
+    id, seconds run: log.jsonl's time_s goes on from there). A resumed run may use another
+    batch size: its tokens are counted, not iterations."""
     load_state(ckpt, path, raw_model, optimizer, scaler)
     iter_num = ckpt["iter_num"]
     tokens = ckpt.get("tokens", iter_num * tokens_per_iter)
     if master:
         print(f"resumed from {path}: iteration {iter_num}, {tokens:,} tokens", flush=True)
     # the wandb id is kept even by a run without wandb, for a later one
-    return iter_num, ckpt["best_val_loss"], tokens, ckpt.get("wandb_id")
+    seconds = ckpt.get("time_s")
+    if seconds is None:  # a checkpoint from before the key: the log's last time at or before it
+        seconds = logged_seconds(os.path.join(os.path.dirname(path), "log.jsonl"), iter_num)
+    return iter_num, ckpt["best_val_loss"], tokens, ckpt.get("wandb_id"), seconds
+
+
+def logged_seconds(log_path, iter_num):
+    """The time_s of log.jsonl's last evaluation at or before iter_num (0.0 without one)."""
+    seconds = 0.0
+    with contextlib.suppress(OSError):
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    record = json.loads(line)
+                    if record["iter"] <= iter_num:
+                        seconds = float(record["time_s"])
+    return seconds
 
 
 def repair_log(log_path, start_iter):

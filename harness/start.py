@@ -163,18 +163,19 @@ def exit_if_done(iter_num, max_iters, p):
 
 
 def load_checkpoint(job, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
-    """(iteration, best val loss, tokens seen, wandb id) where the run starts: a resumed run's
-    (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's weights only
-    (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's checkpoint."""
+    """(iteration, best val loss, tokens seen, wandb id, seconds run) where the run starts: a
+    resumed run's (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's
+    weights only (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's
+    checkpoint."""
     ckpt, source, job.ckpt, job.source = job.ckpt, job.source, None, None
     if ckpt is None and source is None:
-        return 0, float("inf"), 0, None
+        return 0, float("inf"), 0, None, 0.0
     from harness import resume  # only when starting from a checkpoint
     if ckpt is not None:
         return resume.restore(ckpt, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter,
                               master)
     resume.load_weights(raw_model, source["model"], job.source_path)
-    return 0, float("inf"), 0, None
+    return 0, float("inf"), 0, None, 0.0
 
 
 def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter):

@@ -302,3 +302,27 @@ def test_resume_whose_dataset_is_gone_says_so_and_builds_nothing(tmp_path, no_bu
     msg = one_line(train_here(f"--out_dir={out}", "--max_iters=3", "--init_from=resume",
                               "--compile=False"))
     assert data in msg and "--data_dir" in msg and not no_build, (msg, no_build)
+
+
+# ----------------------------------------------------------------------------------------
+# item 19: log.jsonl's clock goes on across a resume
+
+@pytest.mark.parametrize("older", [False, True])
+def test_time_s_goes_on_after_a_resume(tmp_path, older):
+    """10 iterations, then 2 more resumed: the resumed evaluation's time_s is past the time
+    logged at the checkpoint (whose own time_s is at least that), as tokens are. `older`: a
+    checkpoint from before the key (and the digest) goes on from its log's last time."""
+    data, out = make_data(str(tmp_path / "d")), str(tmp_path / "out")
+    common = [f"--data_dir={data}", f"--out_dir={out}", *TINY, "--dtype=float32"]
+    train(*common, "--max_iters=10", "--eval_interval=5")
+    at_ckpt = log(out)[-1]
+    assert at_ckpt["iter"] == 10 and load(out)["time_s"] >= at_ckpt["time_s"]
+    if older:
+        ckpt = load(out)
+        del ckpt["time_s"], ckpt["digest"]
+        torch.save(ckpt, os.path.join(out, "ckpt.pt"))
+    train(*common, "--max_iters=12", "--eval_interval=2", "--init_from=resume")
+    records = log(out)
+    assert [r["iter"] for r in records] == [0, 5, 10, 12]
+    assert records[-1]["time_s"] > at_ckpt["time_s"], records
+    assert records[-1]["tokens"] > at_ckpt["tokens"]
