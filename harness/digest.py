@@ -1,6 +1,6 @@
-"""A checkpoint's digest: the sha256 of everything ckpt.pt holds (tensor bytes, their dtypes and
-shapes, and every other value), stored in it under "digest" when it is written
-(harness/checkpoint.py's commit) and checked on every read (harness/load.py's read). torch.load
+"""A checkpoint's digest: the sha256 of the tensors ckpt.pt holds (their bytes, places, dtypes
+and shapes), stored in it under "digest" when it is written (harness/checkpoint.py's commit)
+and checked on every read (harness/load.py's read). torch.load
 checks a zip archive's headers, not its tensors' bytes: a block of a tensor changed on the disk
 or in a copy loads, and the model samples "⁇". An FSDP run's DCP folder has its files' digest
 in ckpt.pt too (`folder_digest`). Checkpoints from before digests hold none and load as
@@ -14,32 +14,30 @@ KEY = "digest"
 
 
 def payload_digest(obj):
-    """'sha256:HEX' of `obj` (the checkpoint dict, its own digest left out). The walk is the
-    same for the dict as written and as torch.load returns it: dicts in their order (pickle
-    keeps it), lists and tuples alike (a checkpoint may give back either), a tensor by its
-    dtype, shape and bytes, any other value by its type and repr."""
+    """'sha256:HEX' of the payload of `obj` (the checkpoint dict): every tensor's bytes, with
+    its place in the dict, dtype and shape; found by the same walk in the dict as written and
+    as torch.load returns it (dicts in their order, which pickle keeps; lists and tuples
+    alike). The other values (model_args, config, the tokenizer's record, counters) are
+    pickled text that torch.load parses, and a tool or a person may edit them on purpose; the
+    tensors are the bytes nothing else checks."""
     h = hashlib.sha256()
-    walk(h, {k: v for k, v in obj.items() if k != KEY})
+    for where, t in tensors({k: v for k, v in obj.items() if k != KEY}):
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{where}:{t.dtype}:{tuple(t.shape)}:{t.numel()}\0".encode())
+        h.update(t.view(torch.uint8).numpy().data)  # the bytes, whatever the dtype: no copy
     return "sha256:" + h.hexdigest()
 
 
-def walk(h, obj):
+def tensors(obj, where=""):
+    """(place, tensor) for every tensor inside `obj`, depth first."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous().reshape(-1)
-        h.update(f"T{t.dtype}{tuple(obj.shape)}:".encode())
-        h.update(t.view(torch.uint8).numpy().data)  # the bytes, whatever the dtype: no copy
+        yield where, obj
     elif isinstance(obj, dict):
-        h.update(f"D{len(obj)}:".encode())
         for k, v in obj.items():
-            walk(h, k)
-            walk(h, v)
+            yield from tensors(v, f"{where}/{k!r}")
     elif isinstance(obj, (list, tuple)):
-        h.update(f"L{len(obj)}:".encode())
-        for v in obj:
-            walk(h, v)
-    else:
-        text = repr(obj).encode("utf-8", "backslashreplace")
-        h.update(f"{type(obj).__name__}{len(text)}:".encode() + text)
+        for i, v in enumerate(obj):
+            yield from tensors(v, f"{where}/{i}")
 
 
 def mismatch(ckpt, path):
