@@ -122,6 +122,10 @@ class Splits:
         self.files = {s: open(p, "rb") for s, p in self.paths.items()}
         self.at_start = {s: stamp(os.fstat(f.fileno())) for s, f in self.files.items()}
 
+    def __del__(self):  # a process's end closes them; a run inside a test's process, here
+        for f in getattr(self, "files", {}).values():
+            f.close()
+
     def tokens(self, split):
         return np.memmap(self.files[split], dtype=self.dtype, mode="r")
 

@@ -3,7 +3,6 @@ bytes changed, a dataset prepared again while a run trains or before it resumes,
 is a dataset folder, an evaluation that is not finite, and the log's clock across a resume.
 References: the files themselves (their bytes, torch.load's own reading), an unbroken run, and
 the values the command was given."""
-import json
 import os
 import shutil
 import sys
@@ -280,7 +279,9 @@ def no_build(monkeypatch):
     import subprocess
     from harness import dataset
     calls = []
-    fake = lambda cmd, *a, **k: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1)  # noqa: E731
+    def fake(cmd, *args, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
     monkeypatch.setattr(dataset, "subprocess", type("NoBuild", (), {"run": staticmethod(fake)}))
     return calls
 
