@@ -327,3 +327,21 @@ def test_time_s_goes_on_after_a_resume(tmp_path, older):
     assert [r["iter"] for r in records] == [0, 5, 10, 12]
     assert records[-1]["time_s"] > at_ckpt["time_s"], records
     assert records[-1]["tokens"] > at_ckpt["tokens"]
+
+
+def test_preparing_into_a_run_folder_is_refused(run, tmp_path):
+    """A run trained into its dataset folder before train.py refused one: preparing that
+    folder again would replace the run's tokenizer copy, so prepare refuses it, changing
+    nothing."""
+    from data import pipeline
+    from test_eval import corpus_docs
+    folder = str(tmp_path / "both")
+    shutil.copytree(run["data"], folder)
+    shutil.copy(os.path.join(run["out"], "ckpt.pt"), folder)
+    before = {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)}
+    texts = [t for _, t in corpus_docs()]
+    msg = one_line_error(lambda: pipeline.prepare(
+        folder, "tiny", [("docs", "docs", lambda: texts)], "test", vocab_size=300, num_proc=1,
+        log=lambda *a: None))
+    assert folder in msg and "--out_dir" in msg, msg
+    assert {f: open(os.path.join(folder, f), "rb").read() for f in os.listdir(folder)} == before
