@@ -107,8 +107,7 @@ ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "l
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    # the files opened at the start: never a dataset prepared again under the run (dataset.py)
-    data = job.splits.tokens(split)
+    data = np.memmap(job.splits.files[split], job.meta["dtype"], "r")  # opened at the start
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
@@ -162,11 +161,10 @@ def save_checkpoint():
     """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
     call it (an FSDP save is a collective)."""
     save = parallel.save_sharded if fsdp else functools.partial(checkpoint.save, rank=rank)
-    save(ckpt_path, {
+    save(ckpt_path, {"time_s": time_before + time.time() - progress.t_start,  # resumes too
         "scaler": scaler.state_dict() or None, "run_id": run_id,  # scaler: {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf), "config": config,
-        "time_s": time_before + time.time() - progress.t_start,  # the run's, resumes included
         "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
@@ -194,10 +192,7 @@ def evaluate():
         losses[split] = split_losses.mean().item()
     batches.close()
     eval_model.train()
-    if not all(map(math.isfinite, losses.values())):  # never saved, nor called good
-        progress.close(iter_num)
-        raise UserError(run.diverged(f"evaluation: train {losses['train']:.4g}, val "
-                                     f"{losses['val']:.4g}", iter_num, ckpt_path))
+    run.stop_if_diverged(losses, iter_num, ckpt_path, progress)  # never saved, nor called good
     if not master:
         return
     best_val_loss = min(best_val_loss, losses["val"])

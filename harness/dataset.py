@@ -111,13 +111,14 @@ class Splits:
     """A run's train.bin and val.bin, opened once when it starts and read through these open
     files to the end: preparing the dataset again publishes new files under the same names
     (data/write.py renames them into place), which a run that reopened the paths would train
-    on (another tokenizer's ids, without a word). A fresh memmap of the open file per batch,
-    as before (a long-lived one keeps its pages resident), so the step costs what it did.
+    on (another tokenizer's ids, without a word). train.py's get_batch maps the open file
+    afresh per batch, as it mapped the path (a long-lived memmap keeps its pages resident), so
+    the step costs what it did.
     `check`, at each evaluation (a few fstat calls), stops a run whose open file was rewritten
     in place and says once that the folder was prepared again."""
 
     def __init__(self, ddir, meta):
-        self.ddir, self.dtype, self.noted = ddir, np.dtype(meta["dtype"]), False
+        self.ddir, self.noted = ddir, False
         self.paths = {s: os.path.join(ddir, f"{s}.bin") for s in ("train", "val")}
         self.files = {s: open(p, "rb") for s, p in self.paths.items()}
         self.at_start = {s: stamp(os.fstat(f.fileno())) for s, f in self.files.items()}
@@ -125,9 +126,6 @@ class Splits:
     def __del__(self):  # a process's end closes them; a run inside a test's process, here
         for f in getattr(self, "files", {}).values():
             f.close()
-
-    def tokens(self, split):
-        return np.memmap(self.files[split], dtype=self.dtype, mode="r")
 
     def check(self, say=None):
         for split, f in self.files.items():

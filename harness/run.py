@@ -4,6 +4,7 @@ aside, log.jsonl, the tokenizer's identity, and what is refused before anything 
 a run cleanly. MFU's peaks are in harness/mfu.py, the progress line in harness/progress.py."""
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -225,6 +226,16 @@ def diverged(what, iter_num, ckpt_path):
         kept = ("no checkpoint was saved: start again with a lower --learning_rate (or "
                 "--grad_clip=1)")
     return f"non-finite loss at iteration {iter_num} ({what}); stopping without saving ({kept})"
+
+
+def stop_if_diverged(losses, iter_num, ckpt_path, progress):
+    """An evaluation whose loss ({split: loss}) is not finite stops the run before it is logged
+    or saved: saved, its checkpoint would be the one the next error calls the last good one."""
+    if all(map(math.isfinite, losses.values())):
+        return
+    progress.close(iter_num)
+    raise UserError(diverged(f"evaluation: train {losses['train']:.4g}, val "
+                             f"{losses['val']:.4g}", iter_num, ckpt_path))
 
 
 def new_log(log_path):

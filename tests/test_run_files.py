@@ -298,7 +298,7 @@ def test_resume_without_dataset_flags_reads_the_checkpoints_dataset(tmp_path, no
 def test_resume_whose_dataset_is_gone_says_so_and_builds_nothing(tmp_path, no_build):
     data = with_tokenizer(make_data(str(tmp_path / "d")), TEXT)
     out = str(tmp_path / "out")
-    train(f"--data_dir={data}", f"--out_dir={out}", *TINY, "--max_iters=2")
+    train(f"--data_dir={data}", "--dataset=tiny", f"--out_dir={out}", *TINY, "--max_iters=2")
     shutil.rmtree(data)
     msg = one_line(train_here(f"--out_dir={out}", "--max_iters=3", "--init_from=resume",
                               "--compile=False"))
