@@ -107,8 +107,7 @@ ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "l
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    # a fresh memmap per call: a long-lived one keeps its pages resident (size: harness/dataset.py)
-    data = np.memmap(os.path.join(ddir, f"{split}.bin"), dtype=job.meta["dtype"], mode="r")
+    data = np.memmap(job.splits.files[split], job.meta["dtype"], "r")  # opened at the start
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
@@ -136,7 +135,7 @@ opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta
 scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "float16")
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 # resume: weights, optimizer, scaler, RNGs and where the run stands; init_from=RUN: RUN's weights
-iter_num, best_val_loss, tokens_seen, wandb_id = start.load_checkpoint(
+iter_num, best_val_loss, tokens_seen, wandb_id, time_before = start.load_checkpoint(
     job, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
 resumed, start_iter = job.resumed, iter_num
 
@@ -162,7 +161,7 @@ def save_checkpoint():
     """Atomic: a crash, a full disk or a power loss never leaves half a checkpoint. All ranks
     call it (an FSDP save is a collective)."""
     save = parallel.save_sharded if fsdp else functools.partial(checkpoint.save, rank=rank)
-    save(ckpt_path, {
+    save(ckpt_path, {"time_s": time_before + time.time() - progress.t_start,  # resumes too
         "scaler": scaler.state_dict() or None, "run_id": run_id,  # scaler: {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf), "config": config,
@@ -175,6 +174,7 @@ def evaluate():
     runs the collective forwards). Its generator is rebuilt from the seed every time, so every
     evaluation sees the same batches and no training RNG is consumed."""
     global best_val_loss
+    job.splits.check(master and progress.write)  # the data it started with (dataset.py)
     if not (master or fsdp):
         return
     losses = {}
@@ -192,12 +192,13 @@ def evaluate():
         losses[split] = split_losses.mean().item()
     batches.close()
     eval_model.train()
+    run.stop_if_diverged(losses, iter_num, ckpt_path, progress)  # never saved, nor called good
     if not master:
         return
     best_val_loss = min(best_val_loss, losses["val"])
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
               "lr": learning_rate * lr_factor(iter_num), "tokens": tokens_seen,
-              "time_s": round(time.time() - progress.t_start, 3)}
+              "time_s": round(time_before + time.time() - progress.t_start, 3)}
     run.append_log(log_path, record, progress.write)
     progress.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:
@@ -256,8 +257,7 @@ while iter_num < max_iters:
     non_finite, stopping = step_flags.tolist()
     if non_finite:
         progress.close(iter_num)
-        raise UserError(f"non-finite loss at iteration {iter_num}; stopping without saving "
-                        f"(the last good checkpoint, if any, is {ckpt_path})")
+        raise UserError(run.diverged("training step", iter_num, ckpt_path))
     scaler.unscale_(opt)
     # the global gradient norm, over all ranks' gradients; clip to grad_clip (0: no clipping)
     grad_norm = parallel.clip_grad_norm(raw_model, grad_clip) if ddp else \

@@ -14,7 +14,11 @@ OWN_META_KEYS = ("source_sha256", "source_hash_of", "tokenizer")
 
 def check_own_folder(out_dir):
     """Refuse, before any work, an out_dir whose meta.json prepare did not write (another
-    tool's dataset, a hand-made folder): prepare would replace it."""
+    tool's dataset, a hand-made folder), or one that holds a training run: prepare would
+    replace it."""
+    if os.path.lexists(os.path.join(out_dir, "ckpt.pt")):  # train.py refuses it since; older runs
+        raise UserError(f"{out_dir} holds a training run (ckpt.pt): preparing into it would "
+                        f"replace the run's tokenizer.model; pass another --out_dir")
     path = os.path.join(out_dir, "meta.json")
     if not os.path.lexists(path):
         return

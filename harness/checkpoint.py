@@ -10,6 +10,7 @@ import random
 import numpy as np
 import torch
 
+from harness import digest
 from harness.common import UserError
 from harness.files import atomic_write, remove
 from harness.load import read
@@ -33,11 +34,14 @@ def commit(path, ckpt):
     """Write ckpt.pt atomically (through .ckpt.pt.PID.tmp: a name of this process's own), then
     delete the DCP folder that the replaced ckpt.pt named (if it names another one) and what
     crashed saves left: train.py holds out_dir's lock, so no temp there is a live run's. On a
-    write error (a full disk) the temp file goes and the previous ckpt.pt stays."""
+    write error (a full disk) the temp file goes and the previous ckpt.pt stays. The file holds
+    the digest of its contents, which every read checks (harness/digest.py)."""
     out_dir = os.path.dirname(path) or "."
     old = None
     with contextlib.suppress(UserError):  # an unreadable old file names nothing to trust
-        old = read(path, mmap=True).get("sharded") if os.path.exists(path) else None
+        old = read(path, mmap=True, verify=False).get("sharded") if os.path.exists(path) \
+            else None
+    ckpt = dict(ckpt, **{digest.KEY: digest.payload_digest(ckpt)})  # checked on every read
     def write(tmp):
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)

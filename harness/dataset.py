@@ -1,7 +1,7 @@
 """Reading a prepared dataset folder (meta.json, train.bin, val.bin): the one place that checks
 a split, so every reader gets the same checks and a mistake is a UserError naming the file
-(train.py's get_batch maps a split again each call, once it was checked here). Building one is
-data/'s job; a missing one is refused with the command that builds it."""
+(train.py's get_batch maps the files `Splits` opened at the start, once checked here).
+Building one is data/'s job; a missing one is refused with the command that builds it."""
 import json
 import os
 import shlex
@@ -105,6 +105,50 @@ def open_dataset(dataset, data_dir, master, ddp, named=True):
     for split in ("train", "val"):
         open_split(ddir, split, meta)
     return ddir, meta
+
+
+class Splits:
+    """A run's train.bin and val.bin, opened once when it starts and read through these open
+    files to the end: preparing the dataset again publishes new files under the same names
+    (data/write.py renames them into place), which a run that reopened the paths would train
+    on (another tokenizer's ids, without a word). train.py's get_batch maps the open file
+    afresh per batch, as it mapped the path (a long-lived memmap keeps its pages resident), so
+    the step costs what it did.
+    `check`, at each evaluation (a few fstat calls), stops a run whose open file was rewritten
+    in place and says once that the folder was prepared again."""
+
+    def __init__(self, ddir, meta):
+        self.ddir, self.noted = ddir, False
+        self.paths = {s: os.path.join(ddir, f"{s}.bin") for s in ("train", "val")}
+        self.files = {s: open(p, "rb") for s, p in self.paths.items()}
+        self.at_start = {s: stamp(os.fstat(f.fileno())) for s, f in self.files.items()}
+
+    def __del__(self):  # a process's end closes them; a run inside a test's process, here
+        for f in getattr(self, "files", {}).values():
+            f.close()
+
+    def check(self, say=None):
+        for split, f in self.files.items():
+            st, path = os.fstat(f.fileno()), self.paths[split]
+            if stamp(st) != self.at_start[split]:
+                raise UserError(f"{path} was rewritten in place while this run trained: it is no "
+                                f"longer the data the run started with; stopping without saving "
+                                f"(the last checkpoint is kept): restore the dataset, then "
+                                f"resume with --init_from=resume")
+            try:
+                now = os.stat(path)
+            except OSError:
+                now = None
+            if say and not self.noted and (now is None or (now.st_dev, now.st_ino) != (st.st_dev,
+                                                                                st.st_ino)):
+                self.noted = True
+                say(f"note: {self.ddir} was prepared again (or moved) while this run trains; it "
+                    f"goes on with the data it started with, whose files it holds open")
+
+
+def stamp(st):
+    """What changes when a file is rewritten in place."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def check_split_sizes(ddir, meta, block_size):

@@ -10,15 +10,17 @@ import zipfile
 
 import torch
 
-from harness import run_tokenizer
+from harness import digest, run_tokenizer
 from harness.common import UserError
 from model import RoFormer, RoFormerConfig
 
 
-def read(path, mmap=False):
+def read(path, mmap=False, verify=True):
     """The dict in ckpt.pt (tensors on the CPU; mmap: paged in only where used). A file that is
     not one of ours is a UserError: torch's own message for an empty or non-zip file is a hint
-    about _use_new_zipfile_serialization, which tells a user nothing."""
+    about _use_new_zipfile_serialization, which tells a user nothing. `verify`: its contents
+    checked against the digest stored in it (harness/digest.py), so a damaged file is one line,
+    not NaN weights; older files hold none."""
     try:
         size = os.path.getsize(path)
     except OSError as e:
@@ -34,6 +36,9 @@ def read(path, mmap=False):
     if not isinstance(ckpt, dict) or "model_args" not in ckpt or "model" not in ckpt:
         raise UserError(f"cannot load {path}: it is not a checkpoint of this project (no model "
                         f"weights and model_args)")
+    damaged = verify and digest.mismatch(ckpt, path)
+    if damaged:
+        raise UserError(damaged)
     ckpt["model_args"] = {"rope_pairs": "half", **ckpt["model_args"]}  # runs from before the key
     return ckpt
 

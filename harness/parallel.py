@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from harness.checkpoint import commit
+from harness import digest
 from harness.common import UserError, excepthook
 from harness.device import placed
 from harness.files import fsync
@@ -168,6 +169,11 @@ def load_state(ckpt, path, raw_model, optimizer):
     folder = os.path.join(os.path.dirname(path), ckpt["sharded"])
     if not os.path.isdir(folder):
         raise UserError(f"{path} names {folder}, which does not exist")
+    want = ckpt.get("sharded_digest")  # older runs: none
+    if want and digest.folder_digest(folder) != want:
+        raise UserError(f"cannot load {folder}: its files changed since {path} was saved "
+                        f"(their sha256 is not the digest stored there: damaged on the disk or "
+                        f"in a copy); restore the folder from a good copy, or train again")
     state = sharded_state(raw_model, optimizer)
     with warnings.catch_warnings():  # it warns about no_dist=True even when asked for it
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -225,6 +231,7 @@ def save_sharded(path, ckpt, raw_model, optimizer):
     error = None
     if rank0:
         try:  # dcp.save returns on rank 0 after every rank has written its files
+            ckpt["sharded_digest"] = digest.folder_digest(folder + ".tmp")  # checked on load
             os.replace(folder + ".tmp", folder)
             fsync(out_dir)
             commit(path, ckpt)

@@ -1,5 +1,6 @@
 """Starting from a checkpoint (train.py imports this only then): init_from=resume, or a torchrun
 restart of this run, continues it exactly; init_from=RUN starts a new run from RUN's weights."""
+import contextlib
 import dataclasses
 import json
 import os
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from harness.checkpoint import set_rng_state
 from harness.load import misfit, read, rescale
-from harness.common import UserError
+from harness.common import REPO, UserError
+from harness.dataset import prepare_command
 from harness.files import atomic_write
 from model import RoFormerConfig
 
@@ -28,6 +30,25 @@ def find(out_dir, asked, run_id, restarts, master):
     if master and not asked:
         print(f"restart {restarts}: resuming from {path}", flush=True)
     return ckpt
+
+
+def recorded_dataset(ckpt, c, given):
+    """A resume whose command names no dataset (--dataset, --data_dir, in flags or config
+    files: `given`) reads the one the checkpoint's run read: its folder where it still is,
+    else data/<dataset> next to train.py; else one line, before anything is built (the default
+    corpus, built for a fresh clone, would be another tokenizer's)."""
+    if given & {"dataset", "data_dir"}:
+        return
+    conf = ckpt.get("config") or {}
+    c["dataset"] = conf.get("dataset", c["dataset"])
+    recorded, here = conf.get("data_dir") or "", os.path.join(REPO, "data", c["dataset"])
+    for folder in filter(None, (recorded, here)):
+        if os.path.isfile(os.path.join(folder, "meta.json")):
+            c["data_dir"] = folder
+            return
+    raise UserError(f"the run resumed read the dataset {c['dataset']!r} from "
+                    f"{recorded or here}, which is not here: prepare it with "
+                    f"{prepare_command(c['dataset'], recorded)}, or pass --data_dir=DIR")
 
 
 def check_format(ckpt, path):
@@ -59,8 +80,23 @@ def check(ckpt, config, tokenizer, loop_keys, master):
         raise UserError(f"the checkpoint holds the state of optimizer={saved_optimizer}; resume "
                         f"with --optimizer={saved_optimizer}")
     if ckpt["tokenizer"]["sha256"] != tokenizer["sha256"]:
-        raise UserError(f"the checkpoint's tokenizer ({ckpt['tokenizer']['path']}) differs from "
-                        f"{tokenizer['path']}; resume with the same dataset")
+        raise UserError(tokenizer_differs(ckpt, config, tokenizer))
+
+
+def tokenizer_differs(ckpt, config, tokenizer):
+    """Why the dataset this command reads cannot resume the run, and the way on: the run's
+    own folder prepared again since (one path: say so, once), or another folder."""
+    theirs, path = ckpt["tokenizer"], tokenizer["path"]
+    sha = lambda info: (info.get("sha256") or "none")[:12]  # noqa: E731
+    folder = os.path.dirname(path)
+    if theirs.get("path") == path:
+        return (f"{path} is not the tokenizer this run trained with (sha256 {sha(tokenizer)}..., "
+                f"the checkpoint's {sha(theirs)}...): {folder} was prepared again since; to "
+                f"resume on it, prepare it with the run's tokenizer: "
+                f"{prepare_command(config['dataset'], folder)} --tokenizer={config['out_dir']}")
+    return (f"the checkpoint's tokenizer ({theirs.get('path')}) is not {path} (the dataset "
+            f"{folder} this command reads); resume with the run's dataset: --data_dir="
+            f"{os.path.dirname(theirs.get('path') or '') or '...'}")
 
 
 def load_state(ckpt, path, raw_model, optimizer, scaler):
@@ -90,14 +126,31 @@ def load_state(ckpt, path, raw_model, optimizer, scaler):
 
 def restore(ckpt, path, raw_model, optimizer, scaler, tokens_per_iter, master):
     """load_state, then where the run stands: (iteration, best val loss, tokens seen, wandb
-    id). A resumed run may use another batch size: its tokens are counted, not iterations."""
+    id, seconds run: log.jsonl's time_s goes on from there). A resumed run may use another
+    batch size: its tokens are counted, not iterations."""
     load_state(ckpt, path, raw_model, optimizer, scaler)
     iter_num = ckpt["iter_num"]
     tokens = ckpt.get("tokens", iter_num * tokens_per_iter)
     if master:
         print(f"resumed from {path}: iteration {iter_num}, {tokens:,} tokens", flush=True)
     # the wandb id is kept even by a run without wandb, for a later one
-    return iter_num, ckpt["best_val_loss"], tokens, ckpt.get("wandb_id")
+    seconds = ckpt.get("time_s")
+    if seconds is None:  # a checkpoint from before the key: the log's last time at or before it
+        seconds = logged_seconds(os.path.join(os.path.dirname(path), "log.jsonl"), iter_num)
+    return iter_num, ckpt["best_val_loss"], tokens, ckpt.get("wandb_id"), seconds
+
+
+def logged_seconds(log_path, iter_num):
+    """The time_s of log.jsonl's last evaluation at or before iter_num (0.0 without one)."""
+    seconds = 0.0
+    with contextlib.suppress(OSError):
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    record = json.loads(line)
+                    if record["iter"] <= iter_num:
+                        seconds = float(record["time_s"])
+    return seconds
 
 
 def repair_log(log_path, start_iter):

@@ -4,6 +4,7 @@ aside, log.jsonl, the tokenizer's identity, and what is refused before anything 
 a run cleanly. MFU's peaks are in harness/mfu.py, the progress line in harness/progress.py."""
 import contextlib
 import json
+import math
 import os
 import shlex
 import shutil
@@ -85,6 +86,19 @@ def prepare_out_dir(out_dir, master=True):
             open(log_path, "a").close()
     except OSError as e:
         raise UserError(f"cannot write to out_dir {out_dir}: {e.strerror} ({e.filename})") from None
+
+
+def check_apart_from_data(out_dir, ddir):
+    """Refuse an out_dir that is a dataset folder (the run's, or any with a meta.json):
+    preparing that dataset again would replace the files the run keeps there (its
+    tokenizer.model copy, which sample, eval and export read)."""
+    real = os.path.realpath(out_dir)
+    if real == os.path.realpath(ddir):
+        raise UserError(f"out_dir {out_dir} is the dataset folder the run reads: preparing it "
+                        f"again would replace the run's files there; pass another --out_dir")
+    if os.path.isfile(os.path.join(real, "meta.json")):
+        raise UserError(f"out_dir {out_dir} holds a prepared dataset (meta.json): preparing it "
+                        f"again would replace the run's files there; pass another --out_dir")
 
 
 out_dir_lock = []  # the open lock file: the lock lasts as long as this process
@@ -207,6 +221,29 @@ def resume_command(argv, ddp):
         return "this torchrun command and --init_from=resume"
     args = [a for a in argv[1:] if not a.startswith("--init_from=")]
     return "python " + shlex.join([argv[0], *args, "--init_from=resume"])
+
+
+def diverged(what, iter_num, ckpt_path):
+    """The line that stops a run whose loss (`what`: the step's, or an evaluation's) at
+    iter_num is not finite: nothing is saved, so the checkpoint named (if any) holds the last
+    weights whose evaluation was finite."""
+    if os.path.exists(ckpt_path):
+        kept = (f"the last good checkpoint is {ckpt_path}: resume from it with a lower "
+                f"--learning_rate (or --grad_clip=1) and --init_from=resume")
+    else:
+        kept = ("no checkpoint was saved: start again with a lower --learning_rate (or "
+                "--grad_clip=1)")
+    return f"non-finite loss at iteration {iter_num} ({what}); stopping without saving ({kept})"
+
+
+def stop_if_diverged(losses, iter_num, ckpt_path, progress):
+    """An evaluation whose loss ({split: loss}) is not finite stops the run before it is logged
+    or saved: saved, its checkpoint would be the one the next error calls the last good one."""
+    if all(map(math.isfinite, losses.values())):
+        return
+    progress.close(iter_num)
+    raise UserError(diverged(f"evaluation: train {losses['train']:.4g}, val "
+                             f"{losses['val']:.4g}", iter_num, ckpt_path))
 
 
 def new_log(log_path):

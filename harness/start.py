@@ -16,7 +16,7 @@ import optim
 from harness import mfu, run
 from harness.common import UserError
 from harness.config import check_seed
-from harness.dataset import check_split_sizes, open_dataset
+from harness.dataset import Splits, check_split_sizes, open_dataset
 from harness.device import native_bf16, pick_device, pick_threads, placed
 from model import RoFormerConfig
 
@@ -107,13 +107,17 @@ def open_run(c, given, model_keys, loop_keys, p):
     restart of this very run (never another run's checkpoint), or init_from=RUN's weights.
     Sets c's data_dir, vocab_size and model keys to the model that runs (on resume, the
     checkpoint's). Exits when a resumed run has nothing left to train."""
-    ddir, meta = open_dataset(c["dataset"], c["data_dir"], p.master, p.ddp,
-                              named="dataset" in given)
-    tokenizer = run.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
-    c["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
     run_id, restarts = run.run_identity()
     if c["init_from"] != "scratch" or restarts:
         from harness import resume  # only when starting from a checkpoint
+    ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
+            if c["init_from"] == "resume" or restarts else None)
+    if ckpt is not None:  # without --dataset and --data_dir: the dataset the run read
+        resume.recorded_dataset(ckpt, c, given)
+    ddir, meta = open_dataset(c["dataset"], c["data_dir"], p.master, p.ddp,
+                              named="dataset" in given or ckpt is not None)
+    tokenizer = run.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
+    c["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
     source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
     if c["init_from"] not in ("scratch", "resume"):
         source, source_args = resume.continue_from(c["init_from"], c, model_keys, tokenizer,
@@ -121,21 +125,13 @@ def open_run(c, given, model_keys, loop_keys, p):
         c.update(source_args, init_from=os.path.abspath(c["init_from"]))
     if c["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
         c["vocab_size"] = meta["vocab_size"]
+    run.check_apart_from_data(c["out_dir"], ddir)
     run.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
-    ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
-            if c["init_from"] == "resume" or restarts else None)
     if ckpt is not None:
         model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
         resume.check(ckpt, c, tokenizer, loop_keys, p.master)
         run_id = ckpt.get("run_id") or run_id  # the same run, continued: one id
-        if ckpt["iter_num"] >= c["max_iters"]:  # said, and nothing written
-            if p.master:
-                print(f"note: the checkpoint is at iteration {ckpt['iter_num']}, max_iters="
-                      f"{c['max_iters']}: nothing to train (raise --max_iters)", flush=True)
-            if p.ddp:
-                from harness import parallel
-                parallel.finish()  # exits once every rank is here
-            sys.exit(0)
+        exit_if_done(ckpt["iter_num"], c["max_iters"], p)
     else:
         run.move_aside(c["out_dir"], p.master, p.ddp)  # another run's checkpoint stays
         model_args = {k: c[k] for k in model_keys}
@@ -147,24 +143,39 @@ def open_run(c, given, model_keys, loop_keys, p):
     run.check_fits(run.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
-    return SimpleNamespace(ddir=ddir, meta=meta, tokenizer=tokenizer, run_id=run_id, ckpt=ckpt,
+    return SimpleNamespace(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
+                           run_id=run_id, ckpt=ckpt,
                            source=source, source_path=c["init_from"], mconf=mconf,
                            resumed=ckpt is not None)
 
 
+def exit_if_done(iter_num, max_iters, p):
+    """A resumed run with nothing left to train says so, writes nothing and exits 0."""
+    if iter_num < max_iters:
+        return
+    if p.master:
+        print(f"note: the checkpoint is at iteration {iter_num}, max_iters={max_iters}: nothing "
+              f"to train (raise --max_iters)", flush=True)
+    if p.ddp:
+        from harness import parallel
+        parallel.finish()  # exits once every rank is here
+    sys.exit(0)
+
+
 def load_checkpoint(job, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
-    """(iteration, best val loss, tokens seen, wandb id) where the run starts: a resumed run's
-    (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's weights only
-    (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's checkpoint."""
+    """(iteration, best val loss, tokens seen, wandb id, seconds run) where the run starts: a
+    resumed run's (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's
+    weights only (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's
+    checkpoint."""
     ckpt, source, job.ckpt, job.source = job.ckpt, job.source, None, None
     if ckpt is None and source is None:
-        return 0, float("inf"), 0, None
+        return 0, float("inf"), 0, None, 0.0
     from harness import resume  # only when starting from a checkpoint
     if ckpt is not None:
         return resume.restore(ckpt, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter,
                               master)
     resume.load_weights(raw_model, source["model"], job.source_path)
-    return 0, float("inf"), 0, None
+    return 0, float("inf"), 0, None, 0.0
 
 
 def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter):

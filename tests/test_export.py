@@ -68,6 +68,7 @@ def err(*args):
 def save_run(folder, ckpt, model_args, state):
     """A checkpoint like train.py's (the run's tokenizer identity) with other weights."""
     os.makedirs(folder, exist_ok=True)
+    ckpt = {k: v for k, v in ckpt.items() if k != "digest"}  # other weights: not train.py's
     torch.save(dict(ckpt, model_args=model_args, model=state), os.path.join(folder, "ckpt.pt"))
     return str(folder)
 
