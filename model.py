@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model_checks import RELATIVE, check_config, positions_error, tied_head_check  # rules
+from model_checks import RELATIVE, check_config, tied_head_check  # the config's rules
 
 
 def baselines():  # baselines.py: loaded only by a model whose pos_encoding is not "rope"
@@ -66,7 +66,9 @@ class RoFormerConfig:
         return int(self.n_embd // self.n_head * self.rotary_fraction)
 
     def positions_error(self, n):  # the one line saying why n positions cannot run, else None
-        return positions_error(self, n)  # model_checks.py: the end of learned positions' rows
+        if self.pos_encoding == "learned" and n > self.block_size:  # the end of wpe's rows
+            return f"learned positions end at block_size={self.block_size}: position {n - 1} " \
+                "cannot run"
 
     def __post_init__(self):
         check_config(self)  # model_checks.py: every rule, one line per mistake

@@ -102,13 +102,6 @@ def check_positions(cfg):
             raise ValueError(why)
 
 
-def positions_error(cfg, n):
-    """RoFormerConfig.positions_error: why n positions cannot run (one line), else None."""
-    if cfg.pos_encoding == "learned" and n > cfg.block_size:  # the end of wpe's rows
-        return f"learned positions end at block_size={cfg.block_size}: position {n - 1} cannot run"
-    return None
-
-
 def tied_head_check(state, prefix, *args):
     """A tied model loads one matrix twice: an untied lm_head would silently overwrite wte."""
     wte, head = state.get(prefix + "wte.weight"), state.get(prefix + "lm_head.weight")
