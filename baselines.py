@@ -51,18 +51,18 @@ def sinusoidal_embedding(pos, dim):
     return (torch.cat((angle.sin(), angle.cos()), dim=-1) * 0.02 * math.sqrt(2)).float()
 
 
-def position_embedding(model, pos, index):
-    """Position hook 1 of 2 (RoFormer.position_embedding): learned rows of model.wpe, or the
-    sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.hold_positions builds with
-    sinusoidal_embedding and grows), at positions pos (index: their table rows); None for the
-    encodings that add nothing. Learned positions past block_size are refused before any layer
-    runs (RoFormer.hold_positions)."""
+def position_embedding(model, x, pos):
+    """Position hook 1 of 2 (RoFormer.position_embedding): the token embeddings x plus learned
+    rows of model.wpe, or plus the sinusoidal table (model.sin_emb, a float32 buffer that
+    RoFormer.hold_positions builds with sinusoidal_embedding and grows, position p in row p % L),
+    at positions pos; x as it is for the encodings that add nothing. Learned positions past
+    block_size are refused before any layer runs (RoFormer.hold_positions)."""
     c = model.config
     if c.pos_encoding == "learned":
-        return model.wpe(pos)
+        return x + model.wpe(pos)
     if c.pos_encoding == "sinusoidal":
-        return model.sin_emb[index].to(model.wte.weight.dtype)
-    return None
+        return x + model.sin_emb[pos % model.sin_emb.size(0)].to(model.wte.weight.dtype)
+    return x
 
 
 # Relative baselines: distances d = i - j (query minus key position) -> a bias on the scores.

@@ -5,6 +5,7 @@ decoding caches, driven by decode.py), model_checks.py (the config's rules)."""
 import hashlib
 import math
 from collections import OrderedDict
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -135,15 +136,15 @@ def apply_rope(x, cos, sin, pairs="half"):
 # 3. Linear attention, RoFormer eq. 19 (docs/MODEL.md): causal, rotation in the numerator only, the
 # denominator >= GUARD x its bound; chunked, S = sum R_n phi(k_n) v_n^T, z = sum phi(k_n) carried.
 GUARD = 0.25
+FEATURE_MAPS = {"elu": lambda t: F.elu(t) + 1.0, "relu": F.relu}  # phi: never negative
 
 
 def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, state=None,
                      eps=1e-6, pairs="half"):
     """q, k: (B, H, N, D), v: (B, H, N, Dv); cos/sin or None; state: (S, z) or None -> (out,
     (S, z)). In float32: fp16 sums overflow within a few hundred tokens, a bf16 state drifts."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    phi = (lambda t: F.elu(t) + 1.0) if feature_map == "elu" else F.relu
-    fq, fk = fqk = phi(torch.stack((q, k)).to(dtype))  # q and k side by side: one op each
+    dtype = torch.promote_types(q.dtype, torch.float32)  # float64 (the references) stays
+    fq, fk = fqk = FEATURE_MAPS[feature_map](torch.stack((q, k)).to(dtype))  # one op for both
     rq, rk = apply_rope(fqk, cos, sin, pairs) if cos is not None else fqk
     v = v.to(dtype)
     B, H, N, D = q.shape
@@ -172,13 +173,13 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
 
 
 # 4. The transformer
-class Positions(NamedTuple):  # what every layer needs to know about one forward's positions
+class Positions(NamedTuple):  # one forward's positions: each table its layers read, built once
     pos: torch.Tensor                      # the queries' absolute positions, (T,)
     rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
     bias: Optional[Callable] = None        # (distance, visible) -> scores' bias; relative only
-    own: Optional[tuple] = None            # scores(pos), for the chunk's own keys: built once
-    local_rope: Optional[tuple] = None     # (cos, sin) of local layers, if not rope's
-    local_own: Optional[tuple] = None      # scores(pos, window), for local layers' own keys
+    own: Optional[dict] = None             # {window: scores(pos, window)}: uncached, the chunk's
+    local_rope: Optional[tuple] = None     # (cos, sin) of local layers: rope's, or their base's
+    no_rope: None = None                   # what a NoPE layer turns by: nothing
     q_scale: Optional[torch.Tensor] = None  # (T, 1) length temperature of each query
     first_v: Optional[list] = None         # value residual: [layer 0's values], once it ran
 
@@ -188,12 +189,16 @@ class Positions(NamedTuple):  # what every layer needs to know about one forward
         if visible is None and self.bias is None and not window:
             return None, None
         distance = self.pos[:, None] - key_pos[None, :]
-        if visible is None:
-            visible = (distance >= 0) & (distance < window) if window else distance >= 0
+        if visible is None:  # the chunk's own keys; window 0: all of them
+            visible = (distance >= 0) & (distance < (window or len(key_pos)))
         return (visible if self.bias is None else self.bias(distance, visible)), distance
 
 
-class Attention(nn.Module):
+def as_is(x):  # where an option is off: its step leaves x as it is
+    return x
+
+
+class Attention(nn.Module):  # options decided once, here: a call reads as the paper's attention
     def __init__(self, cfg, layer=0):
         super().__init__()
         self.cfg, self.layer = cfg, layer  # layer: its index in the caches
@@ -201,7 +206,12 @@ class Attention(nn.Module):
         kth = lambda k: k > 0 and (layer + 1) % k == 0  # noqa: E731 (layers k-1, 2k-1, ..)
         self.rotates = not kth(cfg.nope_every)  # NoPE layers: no rotation at all
         self.window = 0 if kth(cfg.global_every) else cfg.window  # 0: the whole context
+        # the Positions table this layer turns q and k by (NoPE: none; local layers: theirs)
+        self.rope_key = ("local_rope" if self.window else "rope") if self.rotates else "no_rope"
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
+        head = (self.head_dim,)  # Persimmon's QK-norm (no gain); eq. 19's per-head output norm
+        self.qk_norm = partial(F.layer_norm, normalized_shape=head) if cfg.qk_norm else as_is
+        self.out_norm = partial(F.rms_norm, normalized_shape=head) if cfg.linear_norm else as_is
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
@@ -209,49 +219,46 @@ class Attention(nn.Module):
         if cfg.pos_encoding != "rope":
             baselines().add_tables(self, cfg, "attention")
 
-    def rope(self, positions):  # this layer's (cos, sin), None: no rotation
-        return ((self.window and positions.local_rope) or positions.rope) if self.rotates else None
-
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = (self.linear if self.cfg.attention == "linear" else self.softmax)(qkv, positions, cache)
+        y = getattr(self, self.cfg.attention)(qkv, positions, cache)  # softmax or linear, below
         return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
-        qk = F.layer_norm(qk, (self.head_dim,)) if self.cfg.qk_norm else qk  # Persimmon's, no gain
-        rope = self.rope(positions)
+        qk, rope = self.qk_norm(qk), getattr(positions, self.rope_key)
         q, k = apply_rope(qk, *rope, self.cfg.rope_pairs) if rope else qk  # v: not rotated
         v = v.squeeze(0)
-        if self.cfg.value_residual and not self.layer:  # layer 0 lends its values to the rest
-            positions.first_v.append(v)
-        elif self.cfg.value_residual:  # v + (v_0 - v) g, g = v_mix / 2: 0.5 at init
-            v = torch.lerp(v, positions.first_v[0], (0.5 * self.v_mix).to(v.dtype))
-        if positions.q_scale is not None:  # float32 scale, q's dtype after
+        if self.cfg.value_residual:  # layer 0 lends its values, later layers mix them in
+            v = self.mix_values(v, positions.first_v)
+        if positions.q_scale is not None:  # length temperature: float32 scale, q's dtype after
             q = (q * positions.q_scale).to(k.dtype)
-        if cache is not None:
+        if cache is None:  # the chunk's own keys: one mask per window, built once (designs)
+            mask, distance = positions.own[self.window]
+        else:
             k, v, key_pos, visible = cache.update(self.layer, k, v, positions.pos)
             mask, distance = positions.scores(key_pos, visible)
-        else:  # the chunk's own keys
-            mask, distance = (positions.local_own if self.window else positions.own) or \
-                positions.scores(positions.pos, window=self.window)
         if self.rel_k is not None:  # shaw: the one score term that depends on the query
-            mask = mask + self.rel_k(q, distance)
-        if mask is not None and mask.is_floating_point():
-            mask = mask.to(q.dtype)  # SDPA wants q's dtype; the bias was built in float32
+            mask = mask + self.rel_k(q, distance).to(q.dtype)  # shaw_bias: float32
         return F.scaled_dot_product_attention(  # no mask and no cache: plain causal
             q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
-            dropout_p=self.cfg.dropout if self.training else 0.0)
+            dropout_p=self.cfg.dropout * self.training)  # a bool: dropout in training only
+
+    def mix_values(self, v, first_v):  # value residual: v + (v_0 - v) g, g = v_mix / 2
+        if self.v_mix is None:  # layer 0: the values the others mix in (0.5 at init)
+            first_v.append(v)
+            return v
+        return torch.lerp(v, first_v[0], (0.5 * self.v_mix).to(v.dtype))
 
     def linear(self, qkv, positions, cache):
         q, k, v = qkv
+        state = None if cache is None else cache.state[self.layer]
         with torch.autocast(q.device.type, enabled=False):  # the sums must be float32
-            y, (S, z) = linear_attention(q, k, v, *(self.rope(positions) or (None, None)),
-                                         self.cfg.feature_map, self.cfg.linear_chunk,
-                                         None if cache is None else cache.state[self.layer],
-                                         pairs=self.cfg.rope_pairs)
-            y = F.rms_norm(y, (y.size(-1),)) if self.cfg.linear_norm else y
+            y, (S, z) = linear_attention(q, k, v, *(getattr(positions, self.rope_key) or (None,
+                                         None)), self.cfg.feature_map, self.cfg.linear_chunk,
+                                         state, pairs=self.cfg.rope_pairs)
+            y = self.out_norm(y)
         if cache is not None:
             cache.update(self.layer, S, z)
         return y.to(v.dtype)
@@ -308,29 +315,17 @@ class RoFormer(nn.Module):
                 setattr(self, name, before.to(getattr(self, name).device))
         return self
 
-    def fixed_table(self):  # the table whose length the others share, None if no table
-        return {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(self.config.pos_encoding)
-
     def hold_positions(self, start, n, device=None):
         """Make the fixed tables hold positions start..start+n-1, position p in row p % L of their
         L rows: written over in place up to L positions (docs/MODEL.md: why), rebuilt larger past."""
-        have, c = self.fixed_table(), self.config
+        c = self.config  # `have`: the table whose length the others share, None if no table
+        have = {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(c.pos_encoding)
         if why := c.positions_error(start + n):  # the one table that cannot grow (wpe)
             raise ValueError(f"{why} (use_cache=False crops)")
         if have is None or self.table_start <= start and start + n <= self.table_start + len(have):
             return  # held already, or no fixed table (the other encodings)
         size = len(have) if n <= len(have) else max(n, 2 * len(have))
-        pos = torch.arange(start, start + size, device="cpu")  # cpu: also under device("meta")
-        if c.pos_encoding == "rope":  # local layers' table beside, where it differs
-            tables = rope_table(pos, c.rotary_dim, c.rope_base, c.rope_scaling, c.rope_factor,
-                                c.original_context)
-            if self.local_base():
-                tables = map(torch.cat, zip(tables, rope_table(pos, c.rotary_dim,
-                                                               self.local_base())), (-1, -1))
-            tables = dict(zip(("rope_cos", "rope_sin"), tables))
-        else:
-            tables = {"sin_emb": baselines().sinusoidal_embedding(pos, c.n_embd)}
-        for name, rows in tables.items():
+        for name, rows in self.table_rows(torch.arange(start, start + size, device="cpu")).items():
             rows = rows.roll(start % size, 0)  # row i, position start + i, to row p % size
             if size == len(have):
                 getattr(self, name).copy_(rows)
@@ -338,14 +333,20 @@ class RoFormer(nn.Module):
                 setattr(self, name, rows.to(device or have.device))
         self.table_start = start
 
-    def local_base(self):  # local layers' RoPE base where their table is not rope's, else None
-        c = self.config  # unscaled (as Gemma 3's): they see no distance past the window
-        base = c.local_rope_base or c.rope_base
-        return base if c.window and (base != c.rope_base or c.rope_factor != 1) else None
+    def table_rows(self, pos):  # the fixed tables' rows at positions pos (cpu: also under meta)
+        c = self.config
+        if c.pos_encoding == "sinusoidal":
+            return {"sin_emb": baselines().sinusoidal_embedding(pos, c.n_embd)}
+        tables = rope_table(pos, c.rotary_dim, c.rope_base, c.rope_scaling, c.rope_factor,
+                            c.original_context)
+        local = c.local_rope_base or c.rope_base  # unscaled (as Gemma 3's): they see no distance
+        if c.window and (local != c.rope_base or c.rope_factor != 1):  # past the window
+            tables = map(torch.cat, zip(tables, rope_table(pos, c.rotary_dim, local)), (-1, -1))
+        return dict(zip(("rope_cos", "rope_sin"), tables))  # [rope | local layers'], if theirs
 
-    def position_embedding(self, pos, index):  # hook 1 of 2: added to the token embeddings
-        if self.config.pos_encoding != "rope":  # RoPE adds nothing (and loads no baseline)
-            return baselines().position_embedding(self, pos, index)
+    def position_embedding(self, x, pos):  # hook 1 of 2: what an absolute baseline adds to x
+        rope = self.config.pos_encoding == "rope"  # RoPE adds nothing (and loads no baseline)
+        return x if rope else baselines().position_embedding(self, x, pos)
 
     def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
         return baselines().position_bias(self, d, visible)
@@ -354,25 +355,19 @@ class RoFormer(nn.Module):
         """to forward; window: how far back a query sees (None: the context window)."""
         from caches import KVCache, RecurrentState  # loaded only where a model decodes
         c, w = self.config, window or self.config.context_window
-        local = {i: b.attn.window for i, b in enumerate(self.blocks) if b.attn.window}
+        windows = {i: b.attn.window or w for i, b in enumerate(self.blocks)}  # 0: global, all w
         return (RecurrentState(c.n_layer) if c.attention == "linear" else
-                KVCache(c.n_layer, min(total_len, w), w, device, local))
+                KVCache(c.n_layer, min(total_len, w), w, device, windows))
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) at positions start_pos.. -> logits (B, T, V), and the mean cross-entropy of
         targets (-1: ignore). start_pos: an int, or a (1,) tensor as in the static compiled step
         (one graph for every position), whose table rows must be held (hold_positions)."""
-        c, T = self.config, idx.size(1)
         if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables hold it
-            self.hold_positions(start_pos, T, idx.device)
-        pos = torch.arange(T, device=idx.device) + start_pos  # the tokens' absolute positions
-        table = self.fixed_table()
-        rows = pos if table is None else pos % table.size(0)  # slot p % L holds position p
-        x, added = self.wte(idx), self.position_embedding(pos, rows)
-        x = self.drop(x if added is None else x + added)
-        rope = (self.rope_cos[rows], self.rope_sin[rows]) if c.pos_encoding == "rope" else None
-        positions = self.designs(Positions(pos, rope, self.position_bias if c.pos_encoding in
-                                           RELATIVE else None, first_v=[]), cache)
+            self.hold_positions(start_pos, idx.size(1), idx.device)
+        pos = torch.arange(idx.size(1), device=idx.device) + start_pos  # absolute positions
+        x = self.drop(self.position_embedding(self.wte(idx), pos))
+        positions = self.designs(Positions(pos), cache)
         for block in self.blocks:
             x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
@@ -380,21 +375,25 @@ class RoFormer(nn.Module):
             logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def designs(self, positions, cache):  # the position designs' parts of Positions
+    def designs(self, positions, cache):
+        """The forward's Positions: every table its layers read, built once for all of them."""
         c, r, pos = self.config, self.config.rotary_dim, positions.pos
-        if positions.rope is not None and positions.rope[0].size(-1) > r:  # [rope | local]
-            cos, sin = positions.rope
-            positions = positions._replace(rope=(cos[..., :r], sin[..., :r]),
-                                           local_rope=(cos[..., r:], sin[..., r:]))
+        if c.pos_encoding == "rope":  # slot p % L holds position p; local layers read the last
+            cos, sin = (table[pos % table.size(0)] for table in (self.rope_cos, self.rope_sin))
+            positions = positions._replace(rope=(cos[..., :r], sin[..., :r]),  # r columns: theirs
+                                           local_rope=(cos[..., -r:], sin[..., -r:]))  # or rope's
+        if c.pos_encoding in RELATIVE:  # the hook's float32 bias in q's dtype, the weights' (under
+            dtype = self.wte.weight.dtype  # autocast SDPA casts its mask itself)
+            positions = positions._replace(bias=lambda *args: self.position_bias(*args).to(dtype))
         if c.length_temperature:  # 1 inside the trained context: training at 1x is unchanged
             ratio = ((pos + 1) / c.original_context).clamp(min=1)  # float32 (pos < 2^24 exact)
             positions = positions._replace(q_scale=1 + c.length_temperature * ratio.log()[:, None])
-        if cache is None:  # every layer of a kind attends to the same keys: one mask each
-            positions = positions._replace(own=positions.scores(pos), local_own=positions.scores(
-                pos, window=c.window) if c.window else None)
-        return positions
+        if cache is None:  # every layer of a window attends to the same keys: one mask each
+            positions = positions._replace(own={w: positions.scores(pos, window=w)
+                                                for w in {0, c.window}})
+        return positions._replace(first_v=[])
 
     def num_params(self, non_embedding=True):  # non_embedding: less wpe, and wte if untied
-        n = sum(p.numel() for p in self.parameters())
-        tables = [self.wpe] + ([] if self.config.tie_embeddings else [self.wte])
-        return n - sum(t.weight.numel() for t in tables if non_embedding and t is not None)
+        head = self.lm_head.weight  # named_parameters: a tied head once, as wte.weight
+        return sum(p.numel() for name, p in self.named_parameters() if not non_embedding or
+                   p is head or name not in ("wpe.weight", "wte.weight"))

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from decode import generate  # noqa: E402
-from model import RELATIVE, Attention, Positions, RoFormer, RoFormerConfig, rope_table  # noqa: E402
+from model import Attention, Positions, RoFormer, RoFormerConfig, rope_table  # noqa: E402
 
 LENGTHS = "512,1024,2048,4096,8192"
 POSITIONS = ("rope", "learned", "shaw", "t5", "alibi")
@@ -52,7 +52,8 @@ def run_one(attention, pos, N, n_embd, n_head, reps, chunk):
     x = torch.randn(1, N, n_embd, requires_grad=True)
     table = rope_table(torch.arange(N), n_embd // n_head)
     kinds = {"rope": table, "none": None} if pos == "both" else {pos: table if pos == "rope" else None}
-    kinds = {k: Positions(torch.arange(N), rope) for k, rope in kinds.items()}
+    kinds = {k: Positions(torch.arange(N), rope, own={0: (None, None)})  # plain causal
+             for k, rope in kinds.items()}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = {k: [] for k in kinds}
     for i in range(reps + 1):
@@ -80,8 +81,7 @@ def position_step(pos, N, n_embd, n_head):
     p = torch.arange(N)
 
     def step():
-        rope = (model.rope_cos[:N], model.rope_sin[:N]) if pos == "rope" else None
-        where = Positions(p, rope, model.position_bias if pos in RELATIVE else None)
+        where = model.designs(Positions(p), None)  # as RoFormer.forward builds them
         layer(x, where).sum().backward()
         model.zero_grad(set_to_none=True)
         x.grad = None
