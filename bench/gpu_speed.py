@@ -2,7 +2,7 @@
 How fast the size users train runs on one GPU, as one table (bench/cuda_check.sh runs it last):
 config/gpt2_124m.py's model (vocabulary 32,768, the recipe's) trained as train.py trains it,
 compiled, bf16 autocast, fused AdamW (or --optimizer=muon), flash attention: tokens/s, MFU
-against the GPU's bf16 datasheet peak (harness/gpu_peaks.py) and peak memory; then decoding
+against the GPU's bf16 datasheet peak (harness/mfu.py) and peak memory; then decoding
 with the compiled CUDA-graph step at batch 1 and 8 (tokens/s), beside transformers' `generate`
 on the same weights as the exported GPT-NeoX model. Random weights and tokens: speed does not
 depend on what was learned.

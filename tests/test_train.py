@@ -205,10 +205,10 @@ def imported_by_run(*args):
     return {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
 
 
-# module -> a flag whose path needs it (None: torchrun's, a GPU's): a plain one-process run
+# module -> a flag whose path needs it (None: torchrun's): a plain one-process run
 # never runs it, so never imports it (issue 36: the lines of project code a run imports)
 OPTIONAL_MODULES = {"muon": "--optimizer=muon", "harness.torchrun_errors": None,
-                    "harness.gpu_peaks": None, "baselines": "--pos_encoding=learned"}
+                    "baselines": "--pos_encoding=learned"}
 
 
 def test_a_plain_run_imports_no_optional_module(data, tmp_path):
