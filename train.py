@@ -16,7 +16,7 @@ exactly the batches an unbroken run would have seen, N ranks see the batches of 
 and evaluation (its own fixed generator) never disturbs training.
 
 Elsewhere: model.py, optim.py (AdamW, Muon), data/; harness/ prepares and guards the run
-(start.py: the checks, device, data, out_dir and checkpoint, in order; progress.py, checkpoint.py).
+(start.py: the checks, device, data, out_dir and checkpoint, in order; progress_loop.py, checkpoint.py).
 """
 import contextlib
 import dataclasses
@@ -29,11 +29,11 @@ import time
 import numpy as np
 import torch
 
-from harness import bars, checkpoint, common, mfu, run, start
+from harness import checkpoint, common, mfu, progress_waits, run, start
 from harness.build import build_model
 from harness.common import UserError
 from harness.config import configure
-from harness.progress import Progress
+from harness.progress_loop import Progress
 import optim
 from model import RoFormerConfig
 
@@ -179,7 +179,7 @@ def evaluate():
         return
     losses = {}
     eval_model.eval()
-    batches = bars.bar(total=2 * eval_iters, desc=f"evaluating iteration {iter_num}",
+    batches = progress_waits.bar(total=2 * eval_iters, desc=f"evaluating iteration {iter_num}",
                        unit="batches", shown=master, out=sys.stdout, leave=False, delay=1.0)
     for i, split in enumerate(("train", "val")):
         rng = np.random.default_rng([seed, 7919, i])

@@ -1,7 +1,7 @@
 """train.py's run folder and preconditions: out_dir and its lock, run ids, the old run moved
 aside, log.jsonl, the tokenizer's identity, and what is refused before anything is allocated
 (a model that cannot fit, torch.compile without a C++ compiler), and the signals that stop
-a run cleanly. MFU's peaks are in harness/mfu.py, the progress line in harness/progress.py."""
+a run cleanly. MFU's peaks are in harness/mfu.py, the progress line in harness/progress_loop.py."""
 import contextlib
 import json
 import math

@@ -14,16 +14,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from harness import bars  # noqa: E402
+from harness import progress_waits  # noqa: E402
 from harness import device as devices  # noqa: E402
 from harness import mfu  # noqa: E402
-from harness import progress as progresses  # noqa: E402
+from harness import progress_loop  # noqa: E402
 from harness import run as runs  # noqa: E402
-from harness.progress import Progress  # noqa: E402
+from harness.progress_loop import Progress  # noqa: E402
 
 
 class Clock:
-    """time.time for harness/progress.py, moved by the test: seconds pass only when it says."""
+    """time.time for harness/progress_loop.py, moved by the test: seconds pass only when it says."""
     def __init__(self):
         self.now = 1000.0
 
@@ -34,8 +34,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(progresses.time, "time", c)
-    monkeypatch.setattr(bars.time, "time", c)
+    monkeypatch.setattr(progress_loop.time, "time", c)
+    monkeypatch.setattr(progress_waits.time, "time", c)
     return c
 
 
@@ -126,10 +126,10 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
     Without a terminal: one plain line once QUIET_S seconds have passed, with the time left
     (time per batch so far x batches left), then one every EVERY_S; a quick evaluation prints
     nothing, and neither does a rank other than 0."""
-    q, every = bars.QUIET_S, bars.EVERY_S
+    q, every = progress_waits.QUIET_S, progress_waits.EVERY_S
     for per_batch, total, shown in ((0.01, 40, True), (1.0, 200, True), (1.0, 200, False)):
-        c = (bars.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
-             if shown else bars.bar(total=total, shown=False))
+        c = (progress_waits.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
+             if shown else progress_waits.bar(total=total, shown=False))
         said = []
         for n in range(1, total + 1):
             clock.now += per_batch
@@ -155,10 +155,10 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
 
 
 def waited(clock, capsys, total, steps, **kwargs):
-    """bars.Lines through `steps` [(seconds, items)] on the test's clock: (the seconds from
+    """progress_waits.Lines through `steps` [(seconds, items)] on the test's clock: (the seconds from
     the start each line was said at, that line), and the seconds the wait took."""
     start, said = clock.now, []
-    c = bars.Lines(None, total, "waiting", out=sys.stdout, **kwargs)
+    c = progress_waits.Lines(None, total, "waiting", out=sys.stdout, **kwargs)
     for dt, n in steps:
         clock.now += dt
         c.update(n)
@@ -183,7 +183,7 @@ def test_a_long_wait_estimates_its_time_left_from_more_than_its_start_up(clock, 
     else:
         total, steps = 20, [(45.0, 1)] + [(0.05, 1)] * 19
     said, end = waited(clock, capsys, total, steps)
-    assert said and said[0][0] >= bars.QUIET_S, said
+    assert said and said[0][0] >= progress_waits.QUIET_S, said
     for t, line in said:
         left = re.search(r"about ([\d:]+) left", line)
         if left:

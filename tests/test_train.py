@@ -1454,8 +1454,8 @@ def test_the_evaluation_before_iteration_0_shows_its_progress(data, tmp_path, mo
     (55-153 s on a busy machine). Here every evaluation counts as long (QUIET_S 0): its
     countdown line comes between the two, with the batches it runs (no time left yet: the
     first batch alone carries the start-up, a compile where there is one)."""
-    from harness import bars
-    monkeypatch.setattr(bars, "QUIET_S", -1.0)
+    from harness import progress_waits
+    monkeypatch.setattr(progress_waits, "QUIET_S", -1.0)
     r = train_here(f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY,
                    "--eval_iters=3", "--max_iters=0")
     assert r.returncode == 0, r.stderr
