@@ -16,7 +16,7 @@ exactly the batches an unbroken run would have seen, N ranks see the batches of 
 and evaluation (its own fixed generator) never disturbs training.
 
 Elsewhere: model.py, optim.py (AdamW, Muon), data/; harness/ prepares and guards the run
-(start.py: the checks, device, data, out_dir and checkpoint, in order; progress_loop.py, checkpoint.py).
+(start.py: checks, device, data, out_dir, checkpoint, in order; progress_loop.py, checkpoint.py).
 """
 import contextlib
 import dataclasses
@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from harness import checkpoint, common, mfu, progress_waits, run, start
+from harness import checkpoint, common, mfu, progress_waits, run_log, start, stops
 from harness.build import build_model
 from harness.common import UserError
 from harness.config import configure
@@ -192,14 +192,14 @@ def evaluate():
         losses[split] = split_losses.mean().item()
     batches.close()
     eval_model.train()
-    run.stop_if_diverged(losses, iter_num, ckpt_path, progress)  # never saved, nor called good
+    stops.stop_if_diverged(losses, iter_num, ckpt_path, progress)  # never saved, nor called good
     if not master:
         return
     best_val_loss = min(best_val_loss, losses["val"])
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
               "lr": learning_rate * lr_factor(iter_num), "tokens": tokens_seen,
               "time_s": round(time_before + time.time() - progress.t_start, 3)}
-    run.append_log(log_path, record, progress.write)
+    run_log.append_log(log_path, record, progress.write)
     progress.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:
         wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
@@ -219,7 +219,7 @@ progress = Progress(start_iter, max_iters, tokens_seen,
 if master:
     start.first_lines(config, proc, job, log_path, raw_model.num_params(), tokens_per_iter,
                       peak, start_iter)
-stop, stopping = run.stop_on_signals(), False
+stop, stopping = stops.stop_on_signals(), False
 
 # ----------------------------------------------------------------------------------------
 # the loop
@@ -257,7 +257,7 @@ while iter_num < max_iters:
     non_finite, stopping = step_flags.tolist()
     if non_finite:
         progress.close(iter_num)
-        raise UserError(run.diverged("training step", iter_num, ckpt_path))
+        raise UserError(stops.diverged("training step", iter_num, ckpt_path))
     scaler.unscale_(opt)
     # the global gradient norm, over all ranks' gradients; clip to grad_clip (0: no clipping)
     grad_norm = parallel.clip_grad_norm(raw_model, grad_clip) if ddp else \
@@ -280,7 +280,7 @@ if stopping:
     save_checkpoint()
     if master:
         progress.write(f"saved {ckpt_path} (iteration {iter_num}); continue with "
-                       f"{run.resume_command(sys.argv, ddp)}")
+                       f"{stops.resume_command(sys.argv, ddp)}")
 if iter_num > start_iter or not resumed:
     evaluate()
 save_checkpoint()

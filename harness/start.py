@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import torch
 
 import optim
-from harness import mfu, run
+from harness import memory, mfu, out_dir, run_log, run_tokenizer
 from harness.common import UserError
 from harness.config import check_seed
 from harness.dataset import Splits, check_split_sizes, open_dataset
-from harness.device import native_bf16, pick_device, pick_threads, placed
+from harness.device import cxx_compiler_found, native_bf16, pick_device, pick_threads, placed
 from model import RoFormerConfig
 
 # 0 is meaningful for the second group: 0 iterations evaluate the start
@@ -88,7 +88,7 @@ def place(c):
     autocast = (contextlib.nullcontext() if dtype == "float32" or c["fsdp"]
                 else torch.autocast(device_type=dev.type, dtype=getattr(torch, dtype)))
     compile = c["compile"]
-    if compile and dev.type == "cpu" and not run.cxx_compiler_found():
+    if compile and dev.type == "cpu" and not cxx_compiler_found():
         if rank == 0:
             print("warning: compile=True needs a C++ compiler on the CPU ($CXX, or g++) and "
                   "there is none: running eager (pass --compile=False to skip this check)",
@@ -107,7 +107,7 @@ def open_run(c, given, model_keys, loop_keys, p):
     restart of this very run (never another run's checkpoint), or init_from=RUN's weights.
     Sets c's data_dir, vocab_size and model keys to the model that runs (on resume, the
     checkpoint's). Exits when a resumed run has nothing left to train."""
-    run_id, restarts = run.run_identity()
+    run_id, restarts = out_dir.run_identity()
     if c["init_from"] != "scratch" or restarts:
         from harness import resume  # only when starting from a checkpoint
     ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
@@ -116,7 +116,7 @@ def open_run(c, given, model_keys, loop_keys, p):
         resume.recorded_dataset(ckpt, c, given)
     ddir, meta = open_dataset(c["dataset"], c["data_dir"], p.master, p.ddp,
                               named="dataset" in given or ckpt is not None)
-    tokenizer = run.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
+    tokenizer = run_tokenizer.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
     c["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
     source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
     if c["init_from"] not in ("scratch", "resume"):
@@ -125,22 +125,22 @@ def open_run(c, given, model_keys, loop_keys, p):
         c.update(source_args, init_from=os.path.abspath(c["init_from"]))
     if c["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
         c["vocab_size"] = meta["vocab_size"]
-    run.check_apart_from_data(c["out_dir"], ddir)
-    run.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
+    out_dir.check_apart_from_data(c["out_dir"], ddir)
+    out_dir.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
     if ckpt is not None:
         model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
         resume.check(ckpt, c, tokenizer, loop_keys, p.master)
         run_id = ckpt.get("run_id") or run_id  # the same run, continued: one id
         exit_if_done(ckpt["iter_num"], c["max_iters"], p)
     else:
-        run.move_aside(c["out_dir"], p.master, p.ddp)  # another run's checkpoint stays
+        out_dir.move_aside(c["out_dir"], p.master, p.ddp)  # another run's checkpoint stays
         model_args = {k: c[k] for k in model_keys}
     if model_args["vocab_size"] < meta["vocab_size"]:
         raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
                         f"{meta['vocab_size']}")
     mconf = one_line(RoFormerConfig, **model_args)
     c.update(dataclasses.asdict(mconf))  # the checkpoint records the model that ran
-    run.check_fits(run.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
+    memory.check_fits(memory.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
     return SimpleNamespace(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
@@ -186,8 +186,8 @@ def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter
         from harness.resume import repair_log
         repair_log(log_path, start_iter)
     else:
-        run.new_log(log_path)
-    run.keep_tokenizer(c["out_dir"], job.tokenizer)
+        run_log.new_log(log_path)
+    out_dir.keep_tokenizer(c["out_dir"], job.tokenizer)
     if p.threads_note:
         print(p.threads_note, flush=True)
     on = f", {p.threads} thread{'s' * (p.threads > 1)}" if p.dev.type == "cpu" else ""

@@ -92,7 +92,7 @@ def train_here(*args, **extra):
     the process-wide state train.py may touch (cwd, environment, excepthook, signal handlers,
     global RNGs, harness.common's lists of folders and files made) is put back afterwards, and the
     out_dir lock a run took is let go (a process ending does that for a real run)."""
-    from harness import common, run
+    from harness import common, out_dir
     saved = (os.getcwd(), dict(os.environ), sys.argv, sys.excepthook, random.getstate(),
              np.random.get_state(), torch.get_rng_state(),
              (list(common.created_dirs), list(common.created_files)),
@@ -126,8 +126,8 @@ def train_here(*args, **extra):
         np.random.set_state(n)
         torch.set_rng_state(t)
         common.created_dirs[:], common.created_files[:] = made
-        while run.out_dir_lock:
-            os.close(run.out_dir_lock.pop())
+        while out_dir.out_dir_lock:
+            os.close(out_dir.out_dir_lock.pop())
         for s, h in handlers.items():
             signal.signal(s, h)
     return subprocess.CompletedProcess([TRAIN, *args], code, out.getvalue(), err.getvalue())
@@ -681,8 +681,8 @@ def test_compile_says_the_first_steps_wait_for_it_before_they_do(data, tmp_path,
     without compile has no such line. torch.compile is the identity here: the line is what is
     tested, not the compiler (which needs a C++ compiler on a CPU, else the run says so and
     runs eager)."""
-    from harness import run
-    if not run.cxx_compiler_found():
+    from harness.device import cxx_compiler_found
+    if not cxx_compiler_found():
         pytest.skip("no C++ compiler: compile=True runs eager here")
     monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
     args = [f"--data_dir={data}", *TINY, "--max_iters=1", "--eval_interval=1"]
