@@ -94,20 +94,20 @@ defaults = {**dataclasses.asdict(RoFormerConfig()), **{
 given = set()  # the keys the command line and config files set (init_from=RUN keeps the rest)
 config = configure(defaults, sys.argv[1:], given, sources=(__file__, "model.py"))  # --help
 start.check(config, MODEL_KEYS)  # every value's rule, before anything is touched
-proc = start.place(config)       # the processes, this one's device, dtype, autocast, threads
-job = start.open_run(config, given, MODEL_KEYS, LOOP_KEYS, proc)  # data, out_dir, checkpoint
+procs = start.place(config)      # start.Processes, unpacked below: train.py reads one name each
+run = start.open_run(config, given, MODEL_KEYS, LOOP_KEYS, procs)  # start.Run: data, checkpoint
 globals().update(config)         # every value as it runs (on resume, the checkpoint's model)
-rank, world, master, ddp, dev = proc.rank, proc.world, proc.master, proc.ddp, proc.dev
+rank, world, master, ddp, dev = procs.rank, procs.world, procs.master, procs.ddp, procs.dev
 if ddp:
     from harness import parallel  # only under torchrun: one process needs no torch.distributed
-ddir, mconf, run_id = job.ddir, job.mconf, job.run_id
+autocast, bf16, ddir, mconf, run_id = procs.autocast, procs.bf16, run.ddir, run.mconf, run.run_id
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
 
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    data = np.memmap(job.splits.files[split], job.meta["dtype"], "r")  # opened at the start
+    data = np.memmap(run.splits.files[split], run.meta["dtype"], "r")  # opened at the start
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
@@ -130,14 +130,14 @@ raw_model, model, eval_model = build_model(
     activation_checkpointing=activation_checkpointing)
 opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), dev.type,
                             name=optimizer, muon_lr=muon_lr, muon_momentum=muon_momentum,
-                            fsdp=fsdp, bf16=proc.bf16)
+                            fsdp=fsdp, bf16=bf16)
 # fp16 needs loss scaling; bf16 and fp32 do not (a disabled scaler passes everything through)
 scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "float16")
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 # resume: weights, optimizer, scaler, RNGs and where the run stands; init_from=RUN: RUN's weights
 iter_num, best_val_loss, tokens_seen, wandb_id, time_before = start.load_checkpoint(
-    job, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
-resumed, start_iter = job.resumed, iter_num
+    run, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
+resumed, start_iter = run.resumed, iter_num
 
 
 def lr_factor(it):
@@ -165,7 +165,7 @@ def save_checkpoint():
         "scaler": scaler.state_dict() or None, "run_id": run_id,  # scaler: {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf), "config": config,
-        "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
+        "tokenizer": run.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
 @torch.no_grad()
@@ -174,7 +174,7 @@ def evaluate():
     runs the collective forwards). Its generator is rebuilt from the seed every time, so every
     evaluation sees the same batches and no training RNG is consumed."""
     global best_val_loss
-    job.splits.check(master and progress.write)  # the data it started with (dataset.py)
+    run.splits.check(master and progress.write)  # the data it started with (dataset.py)
     if not (master or fsdp):
         return
     losses = {}
@@ -186,7 +186,7 @@ def evaluate():
         split_losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split
         for k in range(eval_iters):
             x, y = get_batch(split, rng, batch_size, block_size)
-            with proc.autocast:
+            with autocast:
                 split_losses[k] = eval_model(x, y)[1]
             batches.update()
         losses[split] = split_losses.mean().item()
@@ -217,7 +217,7 @@ progress = Progress(start_iter, max_iters, tokens_seen,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
                     world, master, compiled=compile)
 if master:
-    start.first_lines(config, proc, job, log_path, raw_model.num_params(), tokens_per_iter,
+    start.first_lines(config, procs, run, log_path, raw_model.num_params(), tokens_per_iter,
                       peak, start_iter)
 stop, stopping = stops.stop_on_signals(), False
 
@@ -244,7 +244,7 @@ while iter_num < max_iters:
             torch.manual_seed(int(rng.integers(2 ** 62)))
         last = micro == local_steps - 1  # DDP syncs gradients on the last micro-step only
         with parallel.grad_sync(model, last) if ddp else contextlib.nullcontext():
-            with proc.autocast:
+            with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
             # mean over this rank's micro-steps; DDP/FSDP average over the N ranks: 1/G overall

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -59,6 +58,35 @@ def one_line(fn, *args, **kwargs):
         raise UserError(str(e)) from None
 
 
+@dataclasses.dataclass
+class Processes:
+    """This process among the run's, on its device (`place`'s answer)."""
+    ddp: bool              # under torchrun (RANK set): DDP, or FSDP with fsdp=True
+    rank: int              # this process's rank among `world` (0 without torchrun)
+    world: int             # the number of processes
+    master: bool           # rank 0: the one that prints, logs and saves
+    dev: torch.device      # this process's device (cuda:LOCAL_RANK under torchrun)
+    autocast: object       # the step's autocast (a nullcontext in float32 or with FSDP)
+    bf16: bool             # whether the device multiplies bf16 natively (the optimizers ask)
+    threads: int           # the CPU threads torch runs with
+    threads_note: object   # why fewer threads than cores (a busy CPU), or None
+
+
+@dataclasses.dataclass
+class Run:
+    """The run opened before the model (`open_run`'s answer): data, identity, checkpoint."""
+    ddir: str              # the dataset folder read
+    meta: dict             # its meta.json (vocab_size, dtype of the .bin files, eos/bos ids)
+    splits: Splits         # train.bin and val.bin, checked again at every evaluation
+    tokenizer: dict        # the tokenizer's identity the checkpoint records (run_tokenizer.py)
+    run_id: str            # one id for the run across resumes and torchrun restarts
+    ckpt: object           # init_from=resume's checkpoint (dropped once loaded), or None
+    source: object         # init_from=RUN's checkpoint (dropped once loaded), or None
+    source_path: str       # init_from as given: scratch, resume, or RUN's folder
+    mconf: RoFormerConfig  # the model that runs (on resume, the checkpoint's)
+    resumed: bool          # whether the run continues a checkpoint of its own
+
+
 def place(c):
     """The processes (torchrun sets RANK/WORLD_SIZE; otherwise one), this one's device and
     dtype, its autocast, whether it multiplies bf16 natively, and its CPU threads. Sets c's
@@ -96,9 +124,9 @@ def place(c):
         compile = False
     c.update(device=str(dev), dtype=dtype, compile=compile)  # what ran, in the checkpoint
     threads, threads_note = pick_threads(dev.type)  # fewer on a busy CPU (device.py: why)
-    return SimpleNamespace(ddp=ddp, rank=rank, world=world, master=rank == 0, dev=dev,
-                           autocast=autocast, bf16=native_bf16(dev.type), threads=threads,
-                           threads_note=threads_note)
+    return Processes(ddp=ddp, rank=rank, world=world, master=rank == 0, dev=dev,
+                     autocast=autocast, bf16=native_bf16(dev.type), threads=threads,
+                     threads_note=threads_note)
 
 
 def open_run(c, given, model_keys, loop_keys, p):
@@ -143,10 +171,9 @@ def open_run(c, given, model_keys, loop_keys, p):
     memory.check_fits(memory.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
-    return SimpleNamespace(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
-                           run_id=run_id, ckpt=ckpt,
-                           source=source, source_path=c["init_from"], mconf=mconf,
-                           resumed=ckpt is not None)
+    return Run(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
+               run_id=run_id, ckpt=ckpt, source=source, source_path=c["init_from"], mconf=mconf,
+               resumed=ckpt is not None)
 
 
 def exit_if_done(iter_num, max_iters, p):
@@ -162,39 +189,39 @@ def exit_if_done(iter_num, max_iters, p):
     sys.exit(0)
 
 
-def load_checkpoint(job, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
+def load_checkpoint(run, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
     """(iteration, best val loss, tokens seen, wandb id, seconds run) where the run starts: a
     resumed run's (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's
-    weights only (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's
+    weights only (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops run's
     checkpoint."""
-    ckpt, source, job.ckpt, job.source = job.ckpt, job.source, None, None
+    ckpt, source, run.ckpt, run.source = run.ckpt, run.source, None, None
     if ckpt is None and source is None:
         return 0, float("inf"), 0, None, 0.0
     from harness import resume  # only when starting from a checkpoint
     if ckpt is not None:
         return resume.restore(ckpt, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter,
                               master)
-    resume.load_weights(raw_model, source["model"], job.source_path)
+    resume.load_weights(raw_model, source["model"], run.source_path)
     return 0, float("inf"), 0, None, 0.0
 
 
-def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter):
+def first_lines(c, p, run, log_path, n_params, tokens_per_iter, peak, start_iter):
     """Rank 0, before the first step: log.jsonl (new, or cut back to the checkpoint), the run's
     copy of its tokenizer (sample, eval and export then need no dataset folder), and what
     decides the run's speed and quality, first."""
-    if job.resumed:
+    if run.resumed:
         from harness.resume import repair_log
         repair_log(log_path, start_iter)
     else:
         run_log.new_log(log_path)
-    out_dir.keep_tokenizer(c["out_dir"], job.tokenizer)
+    out_dir.keep_tokenizer(c["out_dir"], run.tokenizer)
     if p.threads_note:
         print(p.threads_note, flush=True)
     on = f", {p.threads} thread{'s' * (p.threads > 1)}" if p.dev.type == "cpu" else ""
     print(f"{n_params / 1e6:.2f}M parameters, {c['device']} {c['dtype']}{on}, optimizer="
           f"{c['optimizer']}, compile={c['compile']}, {p.world} process(es)"
           f"{' (fsdp)' if c['fsdp'] else ''}, {tokens_per_iter:,} tokens/iter, data "
-          f"{job.ddir}, run {job.run_id[:8]}", flush=True)
+          f"{run.ddir}, run {run.run_id[:8]}", flush=True)
     print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else
                      mfu.CPU_NO_PEAK if p.dev.type == "cpu" else
                      "n/a (peak FLOP/s of this device unknown)"), flush=True)
