@@ -31,8 +31,8 @@ from data.documents import text_fields, whole_documents
 from data.sources import file_sources, find_files
 from harness import progress_waits
 from harness.common import UserError, cli
-from harness.config import configure
 from harness.device import device_memory, pick_device
+from harness.flags import configure
 from harness.load import dataset_dir, describe, load_run
 from harness.run_tokenizer import folder_read
 

@@ -32,7 +32,7 @@ import torch
 from harness import checkpoint, common, mfu, progress_waits, run_log, start, stops
 from harness.build import build_model
 from harness.common import UserError
-from harness.config import configure
+from harness.flags import configure
 from harness.progress_loop import Progress
 import optim
 from model import RoFormerConfig

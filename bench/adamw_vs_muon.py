@@ -30,7 +30,7 @@ here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
 from harness import progress_waits  # noqa: E402
 from harness.common import UserError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 from harness.device import cpu_has_bf16  # noqa: E402
 
 defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,1339",

@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 import optim  # noqa: E402
 from decode import generate  # noqa: E402
 from harness.build import build_model  # noqa: E402
-from harness.config import run_config_file  # noqa: E402
+from harness.flags import run_config_file  # noqa: E402
 from harness.device import native_bf16  # noqa: E402
 from harness.mfu import flops_per_token, peak_flops  # noqa: E402
 from model import RoFormerConfig  # noqa: E402

@@ -27,7 +27,7 @@ from data.write import (check_own_folder, commit, make_out_dir, remove_partial, 
                         write_meta, write_tokenizer)
 from harness import progress_waits
 from harness.common import REPO, UserError, cli, error_line
-from harness.config import check_seed
+from harness.flags import check_seed
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 

@@ -14,9 +14,9 @@ import torch
 import optim
 from harness import memory, mfu, out_dir, run_log, run_tokenizer
 from harness.common import UserError
-from harness.config import check_seed
 from harness.dataset import Splits, check_split_sizes, open_dataset
 from harness.device import cxx_compiler_found, native_bf16, pick_device, pick_threads, placed
+from harness.flags import check_seed
 from model import RoFormerConfig
 
 # 0 is meaningful for the second group: 0 iterations evaluate the start

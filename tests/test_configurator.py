@@ -1,4 +1,4 @@
-"""harness/config.configure: the precedence defaults < config files < --key=value, type checks
+"""harness/flags.configure: the precedence defaults < config files < --key=value, type checks
 against the defaults, and one-line errors that name the key."""
 import hashlib
 import os
@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.common import UserError as ConfigError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 from harness.run_tokenizer import file_sha256  # noqa: E402
 
 DEFAULTS = {"batch_size": 16, "learning_rate": 6e-4, "compile": True, "device": "auto",
