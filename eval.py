@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from harness.dataset import load_meta, open_split
 from data.documents import text_fields, whole_documents
 from data.sources import file_sources, find_files
-from harness import bars
+from harness import progress_waits
 from harness.common import UserError, cli
-from harness.config import configure
 from harness.device import device_memory, pick_device
+from harness.flags import configure
 from harness.load import dataset_dir, describe, load_run
 from harness.run_tokenizer import folder_read
 
@@ -88,7 +88,7 @@ def score(model, seqs, stride, batch_size, window=None, band=None):
     dev = next(model.parameters()).device
     jobs = [(s, w) for s in seqs for w in windows(len(s), window, stride)]
     nats, count = 0.0, 0
-    bar = bars.bar(total=len(jobs), desc="eval", unit="window")
+    bar = progress_waits.bar(total=len(jobs), desc="eval", unit="window")
     for i in range(0, len(jobs), batch_size):
         x = torch.zeros(len(jobs[i:i + batch_size]), window, dtype=torch.long)
         y = torch.full_like(x, -1)  # -1: padding and already-scored targets, ignored

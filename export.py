@@ -25,7 +25,7 @@ import torch.nn as nn
 from harness.dataset import open_split
 from formats import hf as hf_files, neox
 from harness.common import UserError, cli
-from harness.config import configure
+from harness.flags import configure
 from harness.files import atomic_write
 from formats.hf import (hf_model, hf_tokenizer, need, sentencepiece_proto,  # noqa: F401
                         tokenizer_config)  # (export.*)

@@ -19,8 +19,8 @@ import torch
 
 import decode
 from harness.common import UserError, cli
-from harness.config import check_seed, configure
 from harness.device import device_memory, pick_device
+from harness.flags import check_seed, configure
 from harness.load import describe, load_run
 
 # -----------------------------------------------------------------------------------------

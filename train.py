@@ -16,7 +16,7 @@ exactly the batches an unbroken run would have seen, N ranks see the batches of 
 and evaluation (its own fixed generator) never disturbs training.
 
 Elsewhere: model.py, optim.py (AdamW, Muon), data/; harness/ prepares and guards the run
-(start.py: the checks, device, data, out_dir and checkpoint, in order; progress.py, checkpoint.py).
+(start.py: checks, device, data, out_dir, checkpoint, in order; progress_loop.py, checkpoint.py).
 """
 import contextlib
 import dataclasses
@@ -29,11 +29,11 @@ import time
 import numpy as np
 import torch
 
-from harness import bars, checkpoint, common, mfu, run, start
+from harness import checkpoint, common, mfu, progress_waits, run_log, start, stops
 from harness.build import build_model
 from harness.common import UserError
-from harness.config import configure
-from harness.progress import Progress
+from harness.flags import configure
+from harness.progress_loop import Progress
 import optim
 from model import RoFormerConfig
 
@@ -94,20 +94,20 @@ defaults = {**dataclasses.asdict(RoFormerConfig()), **{
 given = set()  # the keys the command line and config files set (init_from=RUN keeps the rest)
 config = configure(defaults, sys.argv[1:], given, sources=(__file__, "model.py"))  # --help
 start.check(config, MODEL_KEYS)  # every value's rule, before anything is touched
-proc = start.place(config)       # the processes, this one's device, dtype, autocast, threads
-job = start.open_run(config, given, MODEL_KEYS, LOOP_KEYS, proc)  # data, out_dir, checkpoint
+procs = start.place(config)      # start.Processes, unpacked below: train.py reads one name each
+run = start.open_run(config, given, MODEL_KEYS, LOOP_KEYS, procs)  # start.Run: data, checkpoint
 globals().update(config)         # every value as it runs (on resume, the checkpoint's model)
-rank, world, master, ddp, dev = proc.rank, proc.world, proc.master, proc.ddp, proc.dev
+rank, world, master, ddp, dev = procs.rank, procs.world, procs.master, procs.ddp, procs.dev
 if ddp:
     from harness import parallel  # only under torchrun: one process needs no torch.distributed
-ddir, mconf, run_id = job.ddir, job.mconf, job.run_id
+autocast, bf16, ddir, mconf, run_id = procs.autocast, procs.bf16, run.ddir, run.mconf, run.run_id
 local_steps = gradient_accumulation_steps // world  # micro-steps this process runs per iteration
 ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
 
 
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
-    data = np.memmap(job.splits.files[split], job.meta["dtype"], "r")  # opened at the start
+    data = np.memmap(run.splits.files[split], run.meta["dtype"], "r")  # opened at the start
     ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
@@ -130,14 +130,14 @@ raw_model, model, eval_model = build_model(
     activation_checkpointing=activation_checkpointing)
 opt = optim.build_optimizer(raw_model, learning_rate, weight_decay, (beta1, beta2), dev.type,
                             name=optimizer, muon_lr=muon_lr, muon_momentum=muon_momentum,
-                            fsdp=fsdp, bf16=proc.bf16)
+                            fsdp=fsdp, bf16=bf16)
 # fp16 needs loss scaling; bf16 and fp32 do not (a disabled scaler passes everything through)
 scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "float16")
 tokens_per_iter = batch_size * block_size * gradient_accumulation_steps  # over all ranks
 # resume: weights, optimizer, scaler, RNGs and where the run stands; init_from=RUN: RUN's weights
 iter_num, best_val_loss, tokens_seen, wandb_id, time_before = start.load_checkpoint(
-    job, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
-resumed, start_iter = job.resumed, iter_num
+    run, ckpt_path, raw_model, opt, scaler, tokens_per_iter, master)
+resumed, start_iter = run.resumed, iter_num
 
 
 def lr_factor(it):
@@ -165,7 +165,7 @@ def save_checkpoint():
         "scaler": scaler.state_dict() or None, "run_id": run_id,  # scaler: {} when disabled
         "iter_num": iter_num, "best_val_loss": best_val_loss, "tokens": tokens_seen,
         "wandb_id": wandb_id, "model_args": dataclasses.asdict(mconf), "config": config,
-        "tokenizer": job.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
+        "tokenizer": run.tokenizer, "rng": checkpoint.rng_state()}, raw_model, opt)
 
 
 @torch.no_grad()
@@ -174,32 +174,32 @@ def evaluate():
     runs the collective forwards). Its generator is rebuilt from the seed every time, so every
     evaluation sees the same batches and no training RNG is consumed."""
     global best_val_loss
-    job.splits.check(master and progress.write)  # the data it started with (dataset.py)
+    run.splits.check(master and progress.write)  # the data it started with (dataset.py)
     if not (master or fsdp):
         return
     losses = {}
     eval_model.eval()
-    batches = bars.bar(total=2 * eval_iters, desc=f"evaluating iteration {iter_num}",
+    batches = progress_waits.bar(total=2 * eval_iters, desc=f"evaluating iteration {iter_num}",
                        unit="batches", shown=master, out=sys.stdout, leave=False, delay=1.0)
     for i, split in enumerate(("train", "val")):
         rng = np.random.default_rng([seed, 7919, i])
         split_losses = torch.zeros(eval_iters, device=dev)  # on the device: one sync per split
         for k in range(eval_iters):
             x, y = get_batch(split, rng, batch_size, block_size)
-            with proc.autocast:
+            with autocast:
                 split_losses[k] = eval_model(x, y)[1]
             batches.update()
         losses[split] = split_losses.mean().item()
     batches.close()
     eval_model.train()
-    run.stop_if_diverged(losses, iter_num, ckpt_path, progress)  # never saved, nor called good
+    stops.stop_if_diverged(losses, iter_num, ckpt_path, progress)  # never saved, nor called good
     if not master:
         return
     best_val_loss = min(best_val_loss, losses["val"])
     record = {"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
               "lr": learning_rate * lr_factor(iter_num), "tokens": tokens_seen,
               "time_s": round(time_before + time.time() - progress.t_start, 3)}
-    run.append_log(log_path, record, progress.write)
+    run_log.append_log(log_path, record, progress.write)
     progress.write(f"iter {iter_num}: train {losses['train']:.4f}, val {losses['val']:.4f}")
     if wandb_log:
         wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"],
@@ -217,9 +217,9 @@ progress = Progress(start_iter, max_iters, tokens_seen,
                     mfu.flops_per_token(mconf, raw_model.num_params(), block_size), peak,
                     world, master, compiled=compile)
 if master:
-    start.first_lines(config, proc, job, log_path, raw_model.num_params(), tokens_per_iter,
+    start.first_lines(config, procs, run, log_path, raw_model.num_params(), tokens_per_iter,
                       peak, start_iter)
-stop, stopping = run.stop_on_signals(), False
+stop, stopping = stops.stop_on_signals(), False
 
 # ----------------------------------------------------------------------------------------
 # the loop
@@ -244,7 +244,7 @@ while iter_num < max_iters:
             torch.manual_seed(int(rng.integers(2 ** 62)))
         last = micro == local_steps - 1  # DDP syncs gradients on the last micro-step only
         with parallel.grad_sync(model, last) if ddp else contextlib.nullcontext():
-            with proc.autocast:
+            with autocast:
                 loss = model(x, y)[1]
             loss_sum += loss.detach()
             # mean over this rank's micro-steps; DDP/FSDP average over the N ranks: 1/G overall
@@ -257,7 +257,7 @@ while iter_num < max_iters:
     non_finite, stopping = step_flags.tolist()
     if non_finite:
         progress.close(iter_num)
-        raise UserError(run.diverged("training step", iter_num, ckpt_path))
+        raise UserError(stops.diverged("training step", iter_num, ckpt_path))
     scaler.unscale_(opt)
     # the global gradient norm, over all ranks' gradients; clip to grad_clip (0: no clipping)
     grad_norm = parallel.clip_grad_norm(raw_model, grad_clip) if ddp else \
@@ -280,7 +280,7 @@ if stopping:
     save_checkpoint()
     if master:
         progress.write(f"saved {ckpt_path} (iteration {iter_num}); continue with "
-                       f"{run.resume_command(sys.argv, ddp)}")
+                       f"{stops.resume_command(sys.argv, ddp)}")
 if iter_num > start_iter or not resumed:
     evaluate()
 save_checkpoint()

@@ -28,9 +28,9 @@ import torch
 
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
-from harness import bars  # noqa: E402
+from harness import progress_waits  # noqa: E402
 from harness.common import UserError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 from harness.device import cpu_has_bf16  # noqa: E402
 
 defaults = {"datasets": "pystdlib,vimdoc", "iters": 200, "seeds": "1337,1338,1339",
@@ -148,7 +148,7 @@ def step_cost(shape):
     ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_bf16())
     times = {o: [] for o in models}
     # minutes at config/small.py's shape, where bf16 is emulated: a bar, or a line in a log
-    bar = bars.bar(total=len(ARMS) * (args["time_steps"] + 2),
+    bar = progress_waits.bar(total=len(ARMS) * (args["time_steps"] + 2),
                    desc=f"timing steps (block {T}, batch {B})", unit="step")
     for i in range(args["time_steps"] + 2):
         for o in ARMS[i % len(ARMS):] + ARMS[:i % len(ARMS)]:

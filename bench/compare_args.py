@@ -7,7 +7,7 @@ import hashlib
 import os
 
 from harness.common import UserError  # the importer puts the repo root on sys.path
-from harness.config import run_config_file
+from harness.flags import run_config_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIRST_SEED = 1337

@@ -21,7 +21,7 @@ import time
 here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, here)
 from harness.common import UserError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 
 defaults = {"rounds": 1, "optimizers": "adamw,muon", "kinds": "native,avx2", "extra": ""}
 try:

@@ -102,7 +102,7 @@ def parse_args(argv):
 
 def parse_designs(spec):
     """{name: {key: value string}} in the given order; keys checked against RoFormerConfig."""
-    from harness.config import configure
+    from harness.flags import configure
     from model import RoFormerConfig
     fields = {f.name: f.default for f in dataclasses.fields(RoFormerConfig)}
     designs = {}

@@ -24,7 +24,7 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 from harness.common import UserError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 
 defaults = {"nproc": 2, "n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 8192,
             "block_size": 128, "batch_size": 2, "steps": 5, "device": "cpu", "dtype": "float32"}

@@ -2,7 +2,7 @@
 How fast the size users train runs on one GPU, as one table (bench/cuda_check.sh runs it last):
 config/gpt2_124m.py's model (vocabulary 32,768, the recipe's) trained as train.py trains it,
 compiled, bf16 autocast, fused AdamW (or --optimizer=muon), flash attention: tokens/s, MFU
-against the GPU's bf16 datasheet peak (harness/gpu_peaks.py) and peak memory; then decoding
+against the GPU's bf16 datasheet peak (harness/mfu.py) and peak memory; then decoding
 with the compiled CUDA-graph step at batch 1 and 8 (tokens/s), beside transformers' `generate`
 on the same weights as the exported GPT-NeoX model. Random weights and tokens: speed does not
 depend on what was learned.
@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 import optim  # noqa: E402
 from decode import generate  # noqa: E402
 from harness.build import build_model  # noqa: E402
-from harness.config import run_config_file  # noqa: E402
+from harness.flags import run_config_file  # noqa: E402
 from harness.device import native_bf16  # noqa: E402
 from harness.mfu import flops_per_token, peak_flops  # noqa: E402
 from model import RoFormerConfig  # noqa: E402

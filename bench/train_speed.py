@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.common import UserError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 from harness.mfu import flops_per_token  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402

@@ -9,7 +9,7 @@ import os
 import re
 
 from data.shared import cut_point
-from harness import bars
+from harness import progress_waits
 from harness.common import UserError
 from data.sources import TEXT_KINDS, decoded, gunzip, lines, parquet_texts, raw_blocks
 
@@ -132,7 +132,7 @@ def tasks(sources, fields, undecodable, skip_files=(), skipped=None, hashes=None
     """Batches of work in corpus order: (kind, source index, name, items), items being
     (location, payload, first, last), payload a raw JSON line (kind 'json') or a text. Files
     not UTF-8 go to `skipped` (undecodable=skip); `hashes`, if given, gets each sha256."""
-    bar = bars.bar(disable=True) if bar is None else bar
+    bar = progress_waits.bar(disable=True) if bar is None else bar
     for si, (name, kind, where) in enumerate(sources):
         if si in skip_files:
             continue

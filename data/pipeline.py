@@ -25,9 +25,9 @@ from data.tokenizer import (ROUND_TRIP_PROBES, TokenizerSample, check_round_trip
                             load_tokenizer, train_tokenizer)
 from data.write import (check_own_folder, commit, make_out_dir, remove_partial, tmp_names,
                         write_meta, write_tokenizer)
-from harness import bars
+from harness import progress_waits
 from harness.common import REPO, UserError, cli, error_line
-from harness.config import check_seed
+from harness.flags import check_seed
 
 DATA_DIR = os.path.join(REPO, "data")  # train.py's --dataset=NAME reads data/NAME
 
@@ -87,7 +87,7 @@ def scan_corpus(sources, settings, sample_bytes, num_proc, raw_total):
     per_source = collections.defaultdict(lambda: np.zeros(4, dtype=np.int64))
     skipped, hashes, marker = [], [], None
     sample = TokenizerSample(sample_bytes)
-    bar = bars.bar(total=raw_total, desc="scanning", unit="B", unit_scale=True)
+    bar = progress_waits.bar(total=raw_total, desc="scanning", unit="B", unit_scale=True)
     found = tasks(sources, settings["text_fields"], settings["undecodable"], (), skipped,
                   hashes, bar)
     jobs = ((task, sample.cutoff()) for task in found)  # the cutoff when the job is sent
@@ -131,7 +131,7 @@ def report_scan(corpus, name, source, text_field, seconds, log):
 def encode_corpus(path, sources, settings, skipped, num_proc, raw_total):
     """Pass 2: every document into the token file `path`: (tokens, docs, bytes, processes)."""
     total, docs, nbytes, pids = 0, 0, 0, set()
-    bar = bars.bar(total=raw_total, desc="encoding", unit="B", unit_scale=True)
+    bar = progress_waits.bar(total=raw_total, desc="encoding", unit="B", unit_scale=True)
     jobs = tasks(sources, settings["text_fields"], settings["undecodable"], set(skipped), [],
                  None, bar)
     with open(path, "wb") as f:
@@ -232,7 +232,7 @@ def build_dataset(tmps, sources, corpus, settings, options, num_proc, raw_total,
     t0 = time.time()
     budget = split_budget(total, options["val_fraction"], options["val_tokens"],
                           options["min_val_tokens"])
-    bar = bars.bar(total=total * dtype.itemsize, desc="splitting", unit="B",
+    bar = progress_waits.bar(total=total * dtype.itemsize, desc="splitting", unit="B",
                    unit_scale=True)
     counts = split_tokens(tmps["train.bin"], tmps["val.bin"], dtype, total, budget,
                           options["seed"], sp.piece_to_id("\n"), bar)

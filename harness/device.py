@@ -1,8 +1,11 @@
 """The device and dtype every script runs in: 'auto' resolved, the names checked before anything
-loads, and whether the CPU or GPU multiplies bf16 natively. Imports of the project only
-harness/common.py (UserError), and torch only inside the functions that need it."""
+loads, whether the CPU or GPU multiplies bf16 natively, and whether torch.compile finds a C++
+compiler here (cxx_compiler_found). Imports of the project only harness/common.py
+(UserError), and torch only inside the functions that need it."""
 import functools
 import os
+import shutil
+import sys
 
 from harness.common import UserError
 
@@ -173,3 +176,20 @@ def pick_device(device="auto", dtype="auto", training=False):
     if training and dtype == "bfloat16" and dev.type == "cpu" and not cpu_has_bf16():
         print("warning: this CPU has no native bf16 matmul; bfloat16 will be emulated and slow")
     return dev, dtype
+
+
+def cxx_compiler_found():
+    """Whether torch.compile can build CPU kernels here: inductor compiles them with a C++
+    compiler ($CXX, else g++ on Linux and clang++ on macOS) and fails at the first forward,
+    with a traceback, where there is none. Asked of inductor itself where this torch has it."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # another torch: look where this one's inductor looks
+        default = "clang++" if sys.platform == "darwin" else "g++"
+        return shutil.which(os.environ.get("CXX", default)) is not None
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        return False
+    return True

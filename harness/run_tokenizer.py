@@ -1,10 +1,11 @@
-"""A run's tokenizer file: its name, its sha256, parsing it, and where older runs kept it.
-train.py keeps a copy of the dataset's tokenizer.model in out_dir (harness/run.py's
-keep_tokenizer), so that a run folder needs nothing outside itself (a later prepare into the
-dataset folder may replace the dataset's); harness/load.py's find_tokenizer is the one place that
-locates a run's tokenizer (sample.py, eval.py, export.py, prepare --tokenizer=RUN), always
-checked by the sha256 the checkpoint records.
-Imports only harness/common.py (data/ calls it too), and sentencepiece only where a file is parsed."""
+"""A run's tokenizer: its file's name, its sha256, parsing it, where older runs kept it, and its
+identity (what the checkpoint records of it, tokenizer_identity). train.py keeps a copy of the
+dataset's tokenizer.model in out_dir (harness/out_dir.py's keep_tokenizer), so that a run
+folder needs nothing outside itself (a later prepare into the dataset folder may replace the
+dataset's); harness/load.py's find_tokenizer is the one place that locates a run's tokenizer
+(sample.py, eval.py, export.py, prepare --tokenizer=RUN), always checked by the sha256 the
+checkpoint records. Imports only harness/common.py (data/ calls it too), and sentencepiece
+only where a file is parsed."""
 import hashlib
 import os
 
@@ -53,3 +54,20 @@ def folder_read(info):
     """The dataset folder the run read, for a hint (never --dataset's name alone: a run trained
     with --data_dir did not read data/<dataset>)."""
     return os.path.dirname(info.get("path") or "") or f"data/{info.get('dataset')}"
+
+
+def tokenizer_identity(dataset, data_dir, ddir, meta):
+    """What the checkpoint records about the tokenizer: sample.py finds the file by it and
+    checks it by its sha256 (None for a dataset without tokenizer.model)."""
+    path = os.path.abspath(os.path.join(ddir, NAME))
+    if os.path.exists(path):  # one line now, not a sentencepiece error at the first sample
+        pieces = load(path).get_piece_size()
+        if meta["vocab_size"] < pieces:  # prepare writes the piece count; more only pads
+            raise UserError(f"{os.path.join(ddir, 'meta.json')} says vocab_size="
+                            f"{meta['vocab_size']}, but its tokenizer {path} has {pieces} "
+                            f"pieces: meta.json was edited or is another prepare's; prepare "
+                            f"the dataset again (or set its vocab_size back to {pieces})")
+    return {"dataset": dataset, "data_dir": data_dir, "path": path,
+            "sha256": file_sha256(path) if os.path.exists(path) else None,
+            "vocab_size": meta["vocab_size"], "eos_id": meta.get("eos_id"),
+            "bos_id": meta.get("bos_id")}

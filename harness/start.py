@@ -8,16 +8,15 @@ import contextlib
 import dataclasses
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
 import optim
-from harness import mfu, run
+from harness import memory, mfu, out_dir, run_log, run_tokenizer
 from harness.common import UserError
-from harness.config import check_seed
 from harness.dataset import Splits, check_split_sizes, open_dataset
-from harness.device import native_bf16, pick_device, pick_threads, placed
+from harness.device import cxx_compiler_found, native_bf16, pick_device, pick_threads, placed
+from harness.flags import check_seed
 from model import RoFormerConfig
 
 # 0 is meaningful for the second group: 0 iterations evaluate the start
@@ -59,6 +58,35 @@ def one_line(fn, *args, **kwargs):
         raise UserError(str(e)) from None
 
 
+@dataclasses.dataclass
+class Processes:
+    """This process among the run's, on its device (`place`'s answer)."""
+    ddp: bool              # under torchrun (RANK set): DDP, or FSDP with fsdp=True
+    rank: int              # this process's rank among `world` (0 without torchrun)
+    world: int             # the number of processes
+    master: bool           # rank 0: the one that prints, logs and saves
+    dev: torch.device      # this process's device (cuda:LOCAL_RANK under torchrun)
+    autocast: object       # the step's autocast (a nullcontext in float32 or with FSDP)
+    bf16: bool             # whether the device multiplies bf16 natively (the optimizers ask)
+    threads: int           # the CPU threads torch runs with
+    threads_note: object   # why fewer threads than cores (a busy CPU), or None
+
+
+@dataclasses.dataclass
+class Run:
+    """The run opened before the model (`open_run`'s answer): data, identity, checkpoint."""
+    ddir: str              # the dataset folder read
+    meta: dict             # its meta.json (vocab_size, dtype of the .bin files, eos/bos ids)
+    splits: Splits         # train.bin and val.bin, checked again at every evaluation
+    tokenizer: dict        # the tokenizer's identity the checkpoint records (run_tokenizer.py)
+    run_id: str            # one id for the run across resumes and torchrun restarts
+    ckpt: object           # init_from=resume's checkpoint (dropped once loaded), or None
+    source: object         # init_from=RUN's checkpoint (dropped once loaded), or None
+    source_path: str       # init_from as given: scratch, resume, or RUN's folder
+    mconf: RoFormerConfig  # the model that runs (on resume, the checkpoint's)
+    resumed: bool          # whether the run continues a checkpoint of its own
+
+
 def place(c):
     """The processes (torchrun sets RANK/WORLD_SIZE; otherwise one), this one's device and
     dtype, its autocast, whether it multiplies bf16 natively, and its CPU threads. Sets c's
@@ -88,7 +116,7 @@ def place(c):
     autocast = (contextlib.nullcontext() if dtype == "float32" or c["fsdp"]
                 else torch.autocast(device_type=dev.type, dtype=getattr(torch, dtype)))
     compile = c["compile"]
-    if compile and dev.type == "cpu" and not run.cxx_compiler_found():
+    if compile and dev.type == "cpu" and not cxx_compiler_found():
         if rank == 0:
             print("warning: compile=True needs a C++ compiler on the CPU ($CXX, or g++) and "
                   "there is none: running eager (pass --compile=False to skip this check)",
@@ -96,9 +124,9 @@ def place(c):
         compile = False
     c.update(device=str(dev), dtype=dtype, compile=compile)  # what ran, in the checkpoint
     threads, threads_note = pick_threads(dev.type)  # fewer on a busy CPU (device.py: why)
-    return SimpleNamespace(ddp=ddp, rank=rank, world=world, master=rank == 0, dev=dev,
-                           autocast=autocast, bf16=native_bf16(dev.type), threads=threads,
-                           threads_note=threads_note)
+    return Processes(ddp=ddp, rank=rank, world=world, master=rank == 0, dev=dev,
+                     autocast=autocast, bf16=native_bf16(dev.type), threads=threads,
+                     threads_note=threads_note)
 
 
 def open_run(c, given, model_keys, loop_keys, p):
@@ -107,7 +135,7 @@ def open_run(c, given, model_keys, loop_keys, p):
     restart of this very run (never another run's checkpoint), or init_from=RUN's weights.
     Sets c's data_dir, vocab_size and model keys to the model that runs (on resume, the
     checkpoint's). Exits when a resumed run has nothing left to train."""
-    run_id, restarts = run.run_identity()
+    run_id, restarts = out_dir.run_identity()
     if c["init_from"] != "scratch" or restarts:
         from harness import resume  # only when starting from a checkpoint
     ckpt = (resume.find(c["out_dir"], c["init_from"] == "resume", run_id, restarts, p.master)
@@ -116,7 +144,7 @@ def open_run(c, given, model_keys, loop_keys, p):
         resume.recorded_dataset(ckpt, c, given)
     ddir, meta = open_dataset(c["dataset"], c["data_dir"], p.master, p.ddp,
                               named="dataset" in given or ckpt is not None)
-    tokenizer = run.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
+    tokenizer = run_tokenizer.tokenizer_identity(c["dataset"], c["data_dir"], ddir, meta)
     c["data_dir"] = os.path.abspath(ddir)  # the folder read: eval.py --split and export use it
     source = None  # init_from=RUN: RUN's checkpoint, checked before out_dir is touched
     if c["init_from"] not in ("scratch", "resume"):
@@ -125,28 +153,27 @@ def open_run(c, given, model_keys, loop_keys, p):
         c.update(source_args, init_from=os.path.abspath(c["init_from"]))
     if c["vocab_size"] == 0:  # recorded as resolved, so a resume with the same flags agrees
         c["vocab_size"] = meta["vocab_size"]
-    run.check_apart_from_data(c["out_dir"], ddir)
-    run.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
+    out_dir.check_apart_from_data(c["out_dir"], ddir)
+    out_dir.prepare_out_dir(c["out_dir"], p.master)  # rank 0 locks it for the run
     if ckpt is not None:
         model_args = dict(ckpt["model_args"])  # the shape comes from the checkpoint
         resume.check(ckpt, c, tokenizer, loop_keys, p.master)
         run_id = ckpt.get("run_id") or run_id  # the same run, continued: one id
         exit_if_done(ckpt["iter_num"], c["max_iters"], p)
     else:
-        run.move_aside(c["out_dir"], p.master, p.ddp)  # another run's checkpoint stays
+        out_dir.move_aside(c["out_dir"], p.master, p.ddp)  # another run's checkpoint stays
         model_args = {k: c[k] for k in model_keys}
     if model_args["vocab_size"] < meta["vocab_size"]:
         raise UserError(f"vocab_size={model_args['vocab_size']} is smaller than the dataset's "
                         f"{meta['vocab_size']}")
     mconf = one_line(RoFormerConfig, **model_args)
     c.update(dataclasses.asdict(mconf))  # the checkpoint records the model that ran
-    run.check_fits(run.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
+    memory.check_fits(memory.training_memory(mconf, c["batch_size"], p.world if c["fsdp"] else 1,
                                        c["activation_checkpointing"]), p.dev)  # before allocating
     check_split_sizes(ddir, meta, mconf.block_size)  # the block_size that runs: on resume, ckpt's
-    return SimpleNamespace(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
-                           run_id=run_id, ckpt=ckpt,
-                           source=source, source_path=c["init_from"], mconf=mconf,
-                           resumed=ckpt is not None)
+    return Run(ddir=ddir, meta=meta, splits=Splits(ddir, meta), tokenizer=tokenizer,
+               run_id=run_id, ckpt=ckpt, source=source, source_path=c["init_from"], mconf=mconf,
+               resumed=ckpt is not None)
 
 
 def exit_if_done(iter_num, max_iters, p):
@@ -162,39 +189,39 @@ def exit_if_done(iter_num, max_iters, p):
     sys.exit(0)
 
 
-def load_checkpoint(job, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
+def load_checkpoint(run, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter, master):
     """(iteration, best val loss, tokens seen, wandb id, seconds run) where the run starts: a
     resumed run's (its weights, optimizer, scaler and RNGs loaded), or iteration 0 with RUN's
-    weights only (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops job's
+    weights only (init_from=RUN: a fresh optimizer and schedule), or from scratch. Drops run's
     checkpoint."""
-    ckpt, source, job.ckpt, job.source = job.ckpt, job.source, None, None
+    ckpt, source, run.ckpt, run.source = run.ckpt, run.source, None, None
     if ckpt is None and source is None:
         return 0, float("inf"), 0, None, 0.0
     from harness import resume  # only when starting from a checkpoint
     if ckpt is not None:
         return resume.restore(ckpt, ckpt_path, raw_model, optimizer, scaler, tokens_per_iter,
                               master)
-    resume.load_weights(raw_model, source["model"], job.source_path)
+    resume.load_weights(raw_model, source["model"], run.source_path)
     return 0, float("inf"), 0, None, 0.0
 
 
-def first_lines(c, p, job, log_path, n_params, tokens_per_iter, peak, start_iter):
+def first_lines(c, p, run, log_path, n_params, tokens_per_iter, peak, start_iter):
     """Rank 0, before the first step: log.jsonl (new, or cut back to the checkpoint), the run's
     copy of its tokenizer (sample, eval and export then need no dataset folder), and what
     decides the run's speed and quality, first."""
-    if job.resumed:
+    if run.resumed:
         from harness.resume import repair_log
         repair_log(log_path, start_iter)
     else:
-        run.new_log(log_path)
-    run.keep_tokenizer(c["out_dir"], job.tokenizer)
+        run_log.new_log(log_path)
+    out_dir.keep_tokenizer(c["out_dir"], run.tokenizer)
     if p.threads_note:
         print(p.threads_note, flush=True)
     on = f", {p.threads} thread{'s' * (p.threads > 1)}" if p.dev.type == "cpu" else ""
     print(f"{n_params / 1e6:.2f}M parameters, {c['device']} {c['dtype']}{on}, optimizer="
           f"{c['optimizer']}, compile={c['compile']}, {p.world} process(es)"
           f"{' (fsdp)' if c['fsdp'] else ''}, {tokens_per_iter:,} tokens/iter, data "
-          f"{job.ddir}, run {job.run_id[:8]}", flush=True)
+          f"{run.ddir}, run {run.run_id[:8]}", flush=True)
     print("MFU: " + (f"against {peak / 1e12:.3g} TFLOP/s per process" if peak else
                      mfu.CPU_NO_PEAK if p.dev.type == "cpu" else
                      "n/a (peak FLOP/s of this device unknown)"), flush=True)

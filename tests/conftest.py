@@ -1,5 +1,5 @@
 """The --model option of tests/test_contract.py: `--model KEY=VALUE`, repeated, one field of
-RoFormerConfig each, read the way train.py reads `--KEY=VALUE` (harness/config.py's configure against the
+RoFormerConfig each, read the way train.py reads `--KEY=VALUE` (harness/flags.py's configure against the
 field's default), on top of a tiny base configuration. Other test files ignore it."""
 import dataclasses
 import os
@@ -41,7 +41,7 @@ def contract_overrides(values):
     """['k=v', ...] -> {k: value} typed like RoFormerConfig's defaults, and the RoFormerConfig
     they make on the tiny base; a mistake is a pytest.UsageError in one line."""
     from harness.common import UserError
-    from harness.config import configure
+    from harness.flags import configure
     from model import RoFormerConfig
     defaults = {f.name: f.default for f in dataclasses.fields(RoFormerConfig)}
     try:

@@ -206,8 +206,8 @@ def test_temp_names_are_the_processs_own_and_crashed_saves_are_cleaned(tmp_path,
 HOLD_LOCK = """
 import sys
 sys.path.insert(0, {root!r})
-from harness import run
-run.prepare_out_dir({out!r})
+from harness import out_dir
+out_dir.prepare_out_dir({out!r})
 print("locked", flush=True)
 sys.stdin.read()
 """
@@ -218,25 +218,25 @@ def test_a_second_run_into_a_locked_out_dir_is_refused_until_the_first_dies(tmp_
     """Two runs into one out_dir interleaved their log.jsonl. While a process holds the folder
     a second is refused in one line naming the folder and the holder's pid, with nothing in
     it changed; once the holder is SIGKILLed (no clean-up ran) the folder is free again."""
-    from harness import run
+    from harness import out_dir
     out = str(tmp_path / "out")
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK.format(root=ROOT, out=out)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(UserError) as e:
-            run.prepare_out_dir(out)
+            out_dir.prepare_out_dir(out)
         assert str(e.value).startswith(f"out_dir {out} is in use by another training run "
                                        f"(pid {holder.pid})")
         assert os.listdir(out) == [".train.lock"]
     finally:
         holder.kill()
         holder.wait()
-    run.prepare_out_dir(out)
+    out_dir.prepare_out_dir(out)
     try:
         assert open(os.path.join(out, ".train.lock")).read() == f"{os.getpid()}\n"
     finally:
-        os.close(run.out_dir_lock.pop())
+        os.close(out_dir.out_dir_lock.pop())
 
 
 FILL_TMPFS = """

@@ -1,4 +1,4 @@
-"""harness/config.configure: the precedence defaults < config files < --key=value, type checks
+"""harness/flags.configure: the precedence defaults < config files < --key=value, type checks
 against the defaults, and one-line errors that name the key."""
 import hashlib
 import os
@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness.common import UserError as ConfigError  # noqa: E402
-from harness.config import configure  # noqa: E402
+from harness.flags import configure  # noqa: E402
 from harness.run_tokenizer import file_sha256  # noqa: E402
 
 DEFAULTS = {"batch_size": 16, "learning_rate": 6e-4, "compile": True, "device": "auto",
@@ -197,7 +197,7 @@ def test_gpu_peak_matches_the_exact_model(name, tflops):
     """Substring matching gave an A10G the A10's peak and an L40 or L40S the L4's; an H100
     PCIe (756 TFLOP/s dense bf16) is not an SXM part (989). Unknown cards get None (mfu n/a).
     The expected values are the vendors' datasheet figures, written out here."""
-    from harness.gpu_peaks import gpu_peak_flops
+    from harness.mfu import gpu_peak_flops
     got = gpu_peak_flops(name)
     assert (got is None and tflops is None) or got == tflops * 1e12
 
@@ -225,7 +225,7 @@ def test_gpu_peak_depends_on_the_dtype_that_runs():
     """MFU of an fp32 run (TF32 tensor cores, allowed by train.py) is measured against the
     card's TF32 rate, not its bf16 rate; fp16/bf16 against the 16-bit rate; a dtype a card only
     emulates (bf16 on a T4 or V100) has no peak. Datasheet figures (dense), written out here."""
-    from harness.gpu_peaks import GPU_PEAK_FLOPS, gpu_peak_flops
+    from harness.mfu import GPU_PEAK_FLOPS, gpu_peak_flops
     datasheet = {"NVIDIA H100 80GB HBM3": (989, 494.5), "NVIDIA A100-SXM4-80GB": (312, 156),
                  "NVIDIA L4": (121, 60), "NVIDIA H100 PCIe": (756, 378)}
     for name, (half, tf32) in datasheet.items():

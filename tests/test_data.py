@@ -21,7 +21,7 @@ import sentencepiece as spm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from data import documents, pipeline, shared, workers  # noqa: E402
-from harness import bars  # noqa: E402
+from harness import progress_waits  # noqa: E402
 
 OUTPUTS = ["train.bin", "val.bin", "tokenizer.model", "meta.json"]
 
@@ -1240,10 +1240,10 @@ def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
 # ----------------------------------------------------------------------------- progress
 
 def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
-    """Issue 45: bench/adamw_vs_muon.py timed its steps for minutes in silence. harness/bars.py's
+    """Issue 45: bench/adamw_vs_muon.py timed its steps for minutes in silence. harness/progress_waits.py's
     bar (eval.py's too) prints, under a pipe or a file, plain lines with the time left."""
-    monkeypatch.setattr(bars, "EVERY_S", 0.0)  # a line at every step
-    monkeypatch.setattr(bars, "QUIET_S", -1.0)
+    monkeypatch.setattr(progress_waits, "EVERY_S", 0.0)  # a line at every step
+    monkeypatch.setattr(progress_waits, "QUIET_S", -1.0)
     monkeypatch.setattr(sys, "argv", ["optim.py", "--time_steps=1"])
     spec = importlib.util.spec_from_file_location("bench_optim",
                                                   os.path.join(REPO, "bench", "adamw_vs_muon.py"))

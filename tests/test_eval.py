@@ -178,9 +178,9 @@ def test_scoring_shows_progress_in_a_log_and_json_stays_pure(run, capsys, monkey
     """Issue 45: --split scored a split in silence (about 54 minutes on a real one). Under a
     pipe or a file, plain lines on stderr with how far it is and the time left (no carriage
     returns); with --json, stdout holds only the JSON line."""
-    from harness import bars
-    monkeypatch.setattr(bars, "EVERY_S", 0.0)  # a line at every batch
-    monkeypatch.setattr(bars, "QUIET_S", -1.0)
+    from harness import progress_waits
+    monkeypatch.setattr(progress_waits, "EVERY_S", 0.0)  # a line at every batch
+    monkeypatch.setattr(progress_waits, "QUIET_S", -1.0)
     capsys.readouterr()
     evalpy.main([f"--out_dir={run['out']}", "--split=val", "--batch_size=1", "--json"])
     out, errtext = capsys.readouterr()

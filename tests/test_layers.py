@@ -72,7 +72,7 @@ def test_the_shared_modules_import_only_lib_common():
     writers import only harness/common.py, so any script takes one without the others."""
     g = graph()
     assert g["harness.common"] <= {"harness.torchrun_errors"}
-    assert g["harness.config"] == g["harness.device"] == g["harness.files"] == {"harness.common"}
+    assert g["harness.flags"] == g["harness.device"] == g["harness.files"] == {"harness.common"}
 
 
 def test_sampling_does_not_load_the_file_writers():

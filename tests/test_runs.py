@@ -14,16 +14,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from harness import bars  # noqa: E402
+from harness import progress_waits  # noqa: E402
 from harness import device as devices  # noqa: E402
 from harness import mfu  # noqa: E402
-from harness import progress as progresses  # noqa: E402
-from harness import run as runs  # noqa: E402
-from harness.progress import Progress  # noqa: E402
+from harness import progress_loop  # noqa: E402
+from harness import memory  # noqa: E402
+from harness.progress_loop import Progress  # noqa: E402
 
 
 class Clock:
-    """time.time for harness/progress.py, moved by the test: seconds pass only when it says."""
+    """time.time for harness/progress_loop.py, moved by the test: seconds pass only when it says."""
     def __init__(self):
         self.now = 1000.0
 
@@ -34,8 +34,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    monkeypatch.setattr(progresses.time, "time", c)
-    monkeypatch.setattr(bars.time, "time", c)
+    monkeypatch.setattr(progress_loop.time, "time", c)
+    monkeypatch.setattr(progress_waits.time, "time", c)
     return c
 
 
@@ -126,10 +126,10 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
     Without a terminal: one plain line once QUIET_S seconds have passed, with the time left
     (time per batch so far x batches left), then one every EVERY_S; a quick evaluation prints
     nothing, and neither does a rank other than 0."""
-    q, every = bars.QUIET_S, bars.EVERY_S
+    q, every = progress_waits.QUIET_S, progress_waits.EVERY_S
     for per_batch, total, shown in ((0.01, 40, True), (1.0, 200, True), (1.0, 200, False)):
-        c = (bars.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
-             if shown else bars.bar(total=total, shown=False))
+        c = (progress_waits.Lines(None, total, "evaluating iteration 0", "batches", out=sys.stdout)
+             if shown else progress_waits.bar(total=total, shown=False))
         said = []
         for n in range(1, total + 1):
             clock.now += per_batch
@@ -155,10 +155,10 @@ def test_a_long_evaluation_says_how_long_it_has_left(clock, capsys):
 
 
 def waited(clock, capsys, total, steps, **kwargs):
-    """bars.Lines through `steps` [(seconds, items)] on the test's clock: (the seconds from
+    """progress_waits.Lines through `steps` [(seconds, items)] on the test's clock: (the seconds from
     the start each line was said at, that line), and the seconds the wait took."""
     start, said = clock.now, []
-    c = bars.Lines(None, total, "waiting", out=sys.stdout, **kwargs)
+    c = progress_waits.Lines(None, total, "waiting", out=sys.stdout, **kwargs)
     for dt, n in steps:
         clock.now += dt
         c.update(n)
@@ -183,7 +183,7 @@ def test_a_long_wait_estimates_its_time_left_from_more_than_its_start_up(clock, 
     else:
         total, steps = 20, [(45.0, 1)] + [(0.05, 1)] * 19
     said, end = waited(clock, capsys, total, steps)
-    assert said and said[0][0] >= bars.QUIET_S, said
+    assert said and said[0][0] >= progress_waits.QUIET_S, said
     for t, line in said:
         left = re.search(r"about ([\d:]+) left", line)
         if left:
@@ -250,15 +250,15 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
         model = RoFormer(cfg)
     real = sum(p.numel() for p in model.parameters())
     vocab = model.wte.weight.numel()
-    parts = runs.training_memory(cfg, 0)  # no batch: the weights and their optimizer state
+    parts = memory.training_memory(cfg, 0)  # no batch: the weights and their optimizer state
     assert abs(sum(n for *_, n in parts) - 16 * real) < 0.01 * 16 * real
     assert [n for _, keys, n in parts if keys == "vocab_size"] == [16 * vocab]
-    total = lambda *a, **k: sum(n for *_, n in runs.training_memory(*a, **k))  # noqa: E731
+    total = lambda *a, **k: sum(n for *_, n in memory.training_memory(*a, **k))  # noqa: E731
     assert total(cfg, 16, checkpointing=True) < total(cfg, 16)
     pages = {"SC_PHYS_PAGES": 2 ** 21, "SC_PAGE_SIZE": 4096}  # 8 GiB
     monkeypatch.setattr(os, "sysconf", pages.__getitem__)
     cpu = torch.device("cpu")
-    runs.check_fits(runs.training_memory(cfg, 16), cpu)  # config/small.py: fits
+    memory.check_fits(memory.training_memory(cfg, 16), cpu)  # config/small.py: fits
     big_vocab = dict(vocab_size=100_000_000, block_size=8, n_layer=1, n_embd=64)
     for changes, batch, lower, not_lower in (
             ({"n_layer": 4}, 1_000_000, "lower batch_size", "vocab_size"),
@@ -267,7 +267,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
         c = RoFormerConfig(**{**vars(cfg), **changes})
         need = total(c, batch)
         with pytest.raises(UserError) as e:
-            runs.check_fits(runs.training_memory(c, batch), cpu)
+            memory.check_fits(memory.training_memory(c, batch), cpu)
         message = str(e.value)
         assert f"about {need / 2 ** 30:,.1f} GiB per process, more than the 8.0 GiB of RAM" \
             in message and "\n" not in message
@@ -281,7 +281,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_before_allocating(monkeypatc
         >= 16 * wte.numel() * 0.999
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun: 4 ranks share the machine's RAM
     with pytest.raises(UserError, match="2.0 GiB of RAM per process"):
-        runs.check_fits([("all", "batch_size", 3 * 2 ** 30)], cpu)
+        memory.check_fits([("all", "batch_size", 3 * 2 ** 30)], cpu)
 
 
 @pytest.mark.parametrize("batch,block", [(16, 100_000_000), (1_000_000_000, 256)])
@@ -296,7 +296,7 @@ def test_a_batch_too_large_names_batch_and_block_not_the_vocabulary(monkeypatch,
     monkeypatch.setattr(os, "sysconf", pages.__getitem__)
     cfg = RoFormerConfig(vocab_size=512, block_size=block, n_layer=2, n_head=2, n_embd=32)
     with pytest.raises(UserError) as e:
-        runs.check_fits(runs.training_memory(cfg, batch), torch.device("cpu"))
+        memory.check_fits(memory.training_memory(cfg, batch), torch.device("cpu"))
     message = str(e.value)
     assert f"lower batch_size ({batch:,};" in message and f"block_size ({block:,})" in message
     assert "lower vocab_size" not in message and "\n" not in message, message

@@ -530,5 +530,6 @@ def test_sampling_imports_no_training_code():
     assert r.returncode == 0, r.stderr
     imported = set(r.stdout.split())
     assert "harness.load" in imported
-    for training_only in ("harness.checkpoint", "optim", "harness.run", "harness.progress"):
+    for training_only in ("harness.checkpoint", "optim", "harness.out_dir", "harness.memory",
+                          "harness.run_log", "harness.stops", "harness.progress_loop"):
         assert importlib.util.find_spec(training_only) and training_only not in imported

@@ -92,7 +92,7 @@ def train_here(*args, **extra):
     the process-wide state train.py may touch (cwd, environment, excepthook, signal handlers,
     global RNGs, harness.common's lists of folders and files made) is put back afterwards, and the
     out_dir lock a run took is let go (a process ending does that for a real run)."""
-    from harness import common, run
+    from harness import common, out_dir
     saved = (os.getcwd(), dict(os.environ), sys.argv, sys.excepthook, random.getstate(),
              np.random.get_state(), torch.get_rng_state(),
              (list(common.created_dirs), list(common.created_files)),
@@ -126,8 +126,8 @@ def train_here(*args, **extra):
         np.random.set_state(n)
         torch.set_rng_state(t)
         common.created_dirs[:], common.created_files[:] = made
-        while run.out_dir_lock:
-            os.close(run.out_dir_lock.pop())
+        while out_dir.out_dir_lock:
+            os.close(out_dir.out_dir_lock.pop())
         for s, h in handlers.items():
             signal.signal(s, h)
     return subprocess.CompletedProcess([TRAIN, *args], code, out.getvalue(), err.getvalue())
@@ -205,10 +205,10 @@ def imported_by_run(*args):
     return {ln.split("|")[-1].strip() for ln in r.stderr.splitlines() if "|" in ln}
 
 
-# module -> a flag whose path needs it (None: torchrun's, a GPU's): a plain one-process run
+# module -> a flag whose path needs it (None: torchrun's): a plain one-process run
 # never runs it, so never imports it (issue 36: the lines of project code a run imports)
 OPTIONAL_MODULES = {"muon": "--optimizer=muon", "harness.torchrun_errors": None,
-                    "harness.gpu_peaks": None, "baselines": "--pos_encoding=learned"}
+                    "baselines": "--pos_encoding=learned"}
 
 
 def test_a_plain_run_imports_no_optional_module(data, tmp_path):
@@ -681,8 +681,8 @@ def test_compile_says_the_first_steps_wait_for_it_before_they_do(data, tmp_path,
     without compile has no such line. torch.compile is the identity here: the line is what is
     tested, not the compiler (which needs a C++ compiler on a CPU, else the run says so and
     runs eager)."""
-    from harness import run
-    if not run.cxx_compiler_found():
+    from harness.device import cxx_compiler_found
+    if not cxx_compiler_found():
         pytest.skip("no C++ compiler: compile=True runs eager here")
     monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
     args = [f"--data_dir={data}", *TINY, "--max_iters=1", "--eval_interval=1"]
@@ -1454,8 +1454,8 @@ def test_the_evaluation_before_iteration_0_shows_its_progress(data, tmp_path, mo
     (55-153 s on a busy machine). Here every evaluation counts as long (QUIET_S 0): its
     countdown line comes between the two, with the batches it runs (no time left yet: the
     first batch alone carries the start-up, a compile where there is one)."""
-    from harness import bars
-    monkeypatch.setattr(bars, "QUIET_S", -1.0)
+    from harness import progress_waits
+    monkeypatch.setattr(progress_waits, "QUIET_S", -1.0)
     r = train_here(f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", *TINY,
                    "--eval_iters=3", "--max_iters=0")
     assert r.returncode == 0, r.stderr

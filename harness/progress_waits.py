@@ -1,7 +1,7 @@
 """The progress every wait shows (the data stages, eval.py's scoring, train.py's evaluations,
 bench timings): a tqdm bar on a terminal; under a pipe or a file (CI, SLURM, `> log`) a plain
 line now and then, since a bar's carriage-return redraws would pile up in a log and silence
-leaves a user guessing for minutes. The training loop's own line is harness/progress.py."""
+leaves a user guessing for minutes. The training loop's own line is harness/progress_loop.py."""
 import sys
 import time
 

@@ -1,5 +1,6 @@
-"""The config parser, nanoGPT style: a script's module-level defaults, then config files (plain
-Python that assigns variables), then --key=value; a mistake is one line that names the key.
+"""The flags: every script's config parser, nanoGPT style: a script's module-level defaults,
+then config files (plain Python that assigns variables), then --key=value; a mistake is one
+line that names the key.
 Also the one seed rule every script checks its --seed against. Imports of the project only
 harness/common.py (UserError)."""
 import ast

@@ -1,5 +1,5 @@
 """Rank 0's progress line in the training loop (tokens/s, MFU, eta). The progress of other
-waits (evaluations, data stages) is harness/bars.py."""
+waits (evaluations, data stages) is harness/progress_waits.py."""
 import contextlib
 import sys
 import time
