@@ -46,7 +46,7 @@ out_dir = "out"
 dataset = "pystdlib"         # data/<dataset>/: train.bin, val.bin, meta.json, tokenizer.model
 data_dir = ""                # "" means data/<dataset> next to this script
 init_from = "scratch"        # "scratch" | "resume" (out_dir/ckpt.pt) | RUN: fine-tune RUN's weights
-eval_interval = 250          # evaluate, log and checkpoint every this many iterations
+eval_interval = 250          # evaluate, log and checkpoint every this many (0: at the end only)
 eval_iters = 20              # batches per split per evaluation
 log_interval = 10            # progress: bar postfix, or one plain line when not on a terminal
 # wandb (optional; WANDB_MODE=offline works without a network)
@@ -225,7 +225,8 @@ stop, stopping = stops.stop_on_signals(), False
 # the loop
 while iter_num < max_iters:
     # evaluate + checkpoint (not at the iteration a resumed run starts from: already done)
-    if iter_num % eval_interval == 0 and not (resumed and iter_num == start_iter):
+    due = eval_interval and iter_num % eval_interval == 0  # eval_interval 0: the end only
+    if due and not (resumed and iter_num == start_iter):
         with progress.paused():  # not training time: out of tokens/s
             evaluate()
             if iter_num > 0:

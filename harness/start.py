@@ -19,11 +19,11 @@ from harness.device import cxx_compiler_found, native_bf16, pick_device, pick_th
 from harness.flags import check_seed
 from model import RoFormerConfig
 
-# 0 is meaningful for the second group: 0 iterations evaluate the start
-RULES = [(("batch_size", "gradient_accumulation_steps", "eval_interval", "eval_iters",
-           "log_interval", "lr_decay_iters"), lambda v: v >= 1, ">= 1"),
-         (("max_iters", "warmup_iters", "learning_rate", "min_lr", "muon_lr", "weight_decay",
-           "grad_clip", "short_iters"), lambda v: v >= 0, ">= 0"),
+# 0 is meaningful for the second group (max_iters 0: evaluate the start; eval_interval 0: the end)
+RULES = [(("batch_size", "gradient_accumulation_steps", "eval_iters", "log_interval",
+           "lr_decay_iters"), lambda v: v >= 1, ">= 1"),
+         (("max_iters", "eval_interval", "warmup_iters", "learning_rate", "min_lr", "muon_lr",
+           "weight_decay", "grad_clip", "short_iters"), lambda v: v >= 0, ">= 0"),
          (("beta1", "beta2", "muon_momentum"), lambda v: 0 <= v < 1, "in [0, 1)"),
          (("cooldown",), lambda v: 0 <= v <= 1, "in [0, 1] (0: cosine)")]
 
@@ -115,6 +115,11 @@ def place(c):
     # With FSDP, bf16 is its mixed-precision policy (bf16 weights for compute), not autocast.
     autocast = (contextlib.nullcontext() if dtype == "float32" or c["fsdp"]
                 else torch.autocast(device_type=dev.type, dtype=getattr(torch, dtype)))
+    if dev.type == "cpu" and dtype == "bfloat16" and c["block_size"] <= 128:
+        # SDPA's CPU flash kernel in bf16 takes 2-3x the plain product's time (math) at short
+        # windows, its backward most (SPEED.md, "attention on a CPU in bf16"); the flag is
+        # torch's global one, read by the CPU's choice of kernel as well as CUDA's
+        torch.backends.cuda.enable_flash_sdp(False)
     compile = c["compile"]
     if compile and dev.type == "cpu" and not cxx_compiler_found():
         if rank == 0:

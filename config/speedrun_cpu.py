@@ -1,0 +1,28 @@
+# The CPU speedrun: nanoGPT's CPU recipe shape, trained to its 2000-iteration loss in a fraction
+# of its time (docs/RECORDS.md: the record, its command, the CPU kinds, and how it is timed).
+#   python data/shakespeare/prepare.py --char [--input FILE] && python train.py config/speedrun_cpu.py
+out_dir = "out-speedrun-cpu"
+dataset = "shakespeare_char"
+compile = False            # a whole process of ~30 s: compiling would cost more than it saves
+
+# nanoGPT's CPU shape: 4 layers, 4 heads, 128 wide, block 64, batch 12, dropout 0
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 64
+batch_size = 12
+dropout = 0.0
+
+# the recipe: Muon, a schedule set for its own length, the first iterations on half windows
+optimizer = "muon"
+max_iters = 375
+lr_decay_iters = 375
+learning_rate = 2e-3       # AdamW's part: embeddings, head, norms
+min_lr = 2e-4
+warmup_iters = 30
+cooldown = 0.5             # the peak held, then a straight line to min_lr over the last half
+short_iters = 150
+
+eval_interval = 0          # evaluate once, at the end
+eval_iters = 20
+log_interval = 25
