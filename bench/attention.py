@@ -7,6 +7,7 @@ across sequence lengths, and what RoPE costs over no position encoding.
     python bench/attention.py --positions          # RoPE vs the baselines, N = 512,2048,8192
     python bench/attention.py --flex --lengths 1024,2048   # SDPA float mask vs flex_attention
     python bench/attention.py --decode             # cached decoding per position encoding
+    python bench/attention.py --kernels --lengths 32,64,128,256 --n_embd 128 --n_head 4
 
 --positions: one softmax layer, fwd+bwd, for rope, learned, shaw, t5, alibi: time, peak
 memory and the ratio to rope. learned adds its table to the embeddings, so in one layer it
@@ -16,6 +17,10 @@ alibi build theirs once per model forward, so in a deep model that share is amor
 SDPA float mask vs a compiled flex_attention score_mod with a causal block mask.
 --decode: the small config's model shape, random weights, tokens/s of generate(use_cache=True)
 at batch 1 past block_size (rolling cache), and the cache bytes held per cached token.
+
+--kernels: SDPA's CPU kernels, flash against math (the plain product), causal, forward +
+backward at batch 12 (the speedrun's), in float32 and bf16, the two alternated in one process;
+train.py turns flash off where math wins (harness/start.py).
 
 Time is the median of --reps runs after a warm-up. Peak memory is measured in a fresh
 process per row (peak RSS minus the RSS after setup), so rows do not see each other's
@@ -135,6 +140,28 @@ def flex_vs_sdpa(Ns, n_embd, n_head, reps):
                   f"| {ms['t5_sdpa']:.1f} | {ms['t5_flex']:.1f} |", flush=True)
 
 
+def sdpa_kernels(Ns, n_embd, n_head, reps):
+    """Forward + backward ms of causal SDPA with the flash kernel and with math, batch 12."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    H, D = n_head, n_embd // n_head
+    print("| dtype | N | flash ms | math ms | math / flash |")
+    print("|---|--:|--:|--:|--:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in Ns:
+            q, k, v = (torch.randn(12, H, N, D, dtype=dtype, requires_grad=True) for _ in range(3))
+            times = {SDPBackend.FLASH_ATTENTION: [], SDPBackend.MATH: []}
+            for _ in range(reps + 1):  # the first round warms up
+                for kernel, ts in times.items():
+                    t0 = time.perf_counter()
+                    with sdpa_kernel(kernel):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                    ts.append(time.perf_counter() - t0)
+            flash, math_ = (1000 * sorted(ts[1:])[len(ts[1:]) // 2] for ts in times.values())
+            print(f"| {str(dtype)[6:]} | {N} | {flash:.2f} | {math_:.2f} | {math_ / flash:.2f} |",
+                  flush=True)
+
+
 @torch.no_grad()
 def decode_speed(new_tokens, reps):
     """Tokens/s of cached generation per position encoding, batch 1, inside block_size and
@@ -182,6 +209,7 @@ def parse_args():
                     help="RoPE vs learned, shaw, t5, alibi (default lengths 512,2048,8192)")
     ap.add_argument("--flex", action="store_true", help="SDPA float mask vs flex_attention")
     ap.add_argument("--decode", action="store_true", help="cached decode per position encoding")
+    ap.add_argument("--kernels", action="store_true", help="SDPA flash vs math, fwd+bwd")
     ap.add_argument("--new_tokens", type=int, default=512, help="--decode: tokens generated")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: attention,pos,N
     ap.add_argument("--one_pos", help=argparse.SUPPRESS)  # internal: pos,N
@@ -199,6 +227,9 @@ def main():
         return
     if a.decode:
         decode_speed(a.new_tokens, a.reps)
+        return
+    if a.kernels:
+        sdpa_kernels([int(n) for n in a.lengths.split(",")], a.n_embd, a.n_head, a.reps)
         return
     if a.positions:
         positions_table(a)

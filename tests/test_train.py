@@ -316,6 +316,48 @@ def test_resume_is_exact(data, tmp_path):
     assert abs(log(a)[-1]["val_loss"] - log(b)[-1]["val_loss"]) < 1e-6
 
 
+def test_eval_interval_0_evaluates_and_saves_at_the_end_only(data, tmp_path):
+    """--eval_interval=0 (config/speedrun_cpu.py): no evaluation at the start nor on the way,
+    one at the end, and the same final weights and loss as a run evaluated every 2 iterations
+    (the reference: evaluation never touches the training stream). A signal still saves, and
+    the resumed run ends where the unbroken one does."""
+    common = [f"--data_dir={data}", *TINY, "--dtype=float32", "--max_iters=8"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(*common, f"--out_dir={a}", "--eval_interval=2")
+    train(*common, f"--out_dir={b}", "--eval_interval=0")
+    assert [r["iter"] for r in log(a)] == [0, 2, 4, 6, 8]
+    assert [r["iter"] for r in log(b)] == [8]
+    assert max_diff(load(a)["model"], load(b)["model"]) < 1e-6
+    assert abs(log(a)[-1]["val_loss"] - log(b)[-1]["val_loss"]) < 1e-6
+    c = str(tmp_path / "c")
+    train(*common[:-1], f"--out_dir={c}", "--eval_interval=0", "--max_iters=5")
+    train(*common, f"--out_dir={c}", "--eval_interval=0", "--init_from=resume")
+    assert [r["iter"] for r in log(c)] == [5, 8]
+    assert max_diff(load(a)["model"], load(c)["model"]) < 1e-6
+    r = train_here(f"--data_dir={data}", f"--out_dir={tmp_path / 'd'}", *TINY,
+                   "--eval_interval=-1")
+    assert r.returncode == 1 and "eval_interval must be >= 0, got -1" in r.stderr
+
+
+def test_flash_attention_is_off_only_for_short_bf16_windows_on_a_cpu(data, tmp_path):
+    """harness/start.py turns SDPA's flash kernel off for bf16 training on a CPU at blocks
+    <= 128 (bench/attention.py --kernels: slower than math there) and nowhere else; torch's
+    own flag, read when the process ends (a sitecustomize hook)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, torch\n"
+        "atexit.register(lambda: print('flash', torch.backends.cuda.flash_sdp_enabled()))\n")
+    seen = {}
+    for dtype, block in (("bfloat16", 32), ("bfloat16", 256), ("float32", 32)):
+        r = train(f"--data_dir={data}", f"--out_dir={tmp_path / f'{dtype}{block}'}", *TINY,
+                  f"--block_size={block}", f"--dtype={dtype}", "--max_iters=0",
+                  "--optimizer=adamw", PYTHONPATH=str(site))
+        seen[dtype, block] = r.stdout.strip().splitlines()[-1]
+    assert seen == {("bfloat16", 32): "flash False", ("bfloat16", 256): "flash True",
+                    ("float32", 32): "flash True"}
+
+
 def test_short_iters_draw_half_windows_first_and_resume_exactly(data, tmp_path):
     """--short_iters=N: the first N iterations draw windows of block_size // 2 tokens (as many
     windows), the rest full ones; tokens are counted as drawn (log.jsonl), and a run stopped
