@@ -72,7 +72,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "lab"))
 import lab_runs as bench_runs  # noqa: E402  (the run-folder helpers, shared with ablation.py)
 from lab_runs import (code_identity, iteration_of, last_error, materialise,  # noqa: E402
                   patched_code, revision_code, run_logged, worktree_code)

@@ -3,7 +3,7 @@
 # CPU paths): the README's default run eager and compiled, torchrun over NCCL (DDP, FSDP2 and
 # its resume) at one rank per GPU of the machine, sample.py with the cache (eager, and the
 # compiled static step), eval.py and export.py on a CUDA-trained run, the tests that need
-# a GPU, and bench/gpu_speed.py's table (config/gpt2_124m.py's tokens/s, MFU and decoding). One line a step (ok, or FAILED with its log); every log under $LOGS. What its steps
+# a GPU, and bench/speed/gpu_speed.py's table (config/gpt2_124m.py's tokens/s, MFU and decoding). One line a step (ok, or FAILED with its log); every log under $LOGS. What its steps
 # printed on an H200 is in docs/SPEED.md ("On a GPU").
 #
 #     bash bench/cuda_check.sh                  # minutes on one GPU (not yet timed as one command)
@@ -47,5 +47,5 @@ step eval 300 $PY eval.py --out_dir="$RUNS/default" --split=val --lengths=128,25
 step export 300 $PY export.py --out_dir="$RUNS/default" --hf_dir="$RUNS/hf"
 step gpu_tests 300 env ROFORMER_TEST_CUDA=1 $PY -m pytest -q -rs tests/test_train.py -k pin
 # the speed at the size users train: config/gpt2_124m.py's training and decoding, one table
-step gpu_speed 420 $PY bench/gpu_speed.py && cat "$LOGS/gpu_speed.log"
+step gpu_speed 420 $PY bench/speed/gpu_speed.py && cat "$LOGS/gpu_speed.log"
 exit $failed

@@ -1,4 +1,4 @@
-"""The model built the same way for one process, DDP and FSDP (train.py, bench/fsdp.py): on
+"""The model built the same way for one process, DDP and FSDP (train.py, bench/speed/fsdp.py): on
 the meta device, wrapped, then given memory and initialised from the seed."""
 import functools
 

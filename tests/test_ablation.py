@@ -1,4 +1,4 @@
-"""bench/ablation.py: its evaluation pieces (bench/extrapolation.py) against naive
+"""bench/studies/ablation.py: its evaluation pieces (bench/studies/extrapolation.py) against naive
 recomputation, and a smoke run of the whole pipeline (the real train.py, tiny data made here)
 that checks the outputs' structure."""
 import csv
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from model import RoFormer, RoFormerConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("ablation", os.path.join(ROOT, "bench", "ablation.py"))
+_spec = importlib.util.spec_from_file_location("ablation", os.path.join(ROOT, "bench", "studies", "ablation.py"))
 ablation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ablation)
-import extrapolation  # noqa: E402  (ablation.py put bench/ on sys.path)
+import extrapolation  # noqa: E402  (ablation.py put bench/studies/ on sys.path)
 
 
 def tiny(**kw):

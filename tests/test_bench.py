@@ -1,5 +1,5 @@
-"""bench/train_speed.py --target (time to nanoGPT's final loss): a tiny run, its table checked
-against the per-chunk log it prints, and reproducible from its seed; bench/gpu_speed.py's table
+"""bench/speed/train_speed.py --target (time to nanoGPT's final loss): a tiny run, its table checked
+against the per-chunk log it prints, and reproducible from its seed; bench/speed/gpu_speed.py's table
 and the MFU formula, checked on the CPU."""
 import os
 import re
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def target_run(text, *extra):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "train_speed.py"), "--target=True",
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "speed", "train_speed.py"), "--target=True",
            f"--text={text}", "--target_iters=8", "--target_eval=2", "--target_batches=2",
            "--threads=1", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -71,7 +71,7 @@ def test_ours_stop_at_the_end_of_their_own_schedule(tmp_path):
 
 
 def test_missing_text_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed", "train_speed.py"),
                         "--target=True", f"--text={tmp_path / 'nope.txt'}"], capture_output=True,
                        text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
@@ -84,7 +84,7 @@ def test_target_runs_every_group_at_its_own_peak_rate(monkeypatch):
     fraction times each group's base_lr, which build_optimizer sets (muon_lr for Muon's
     groups, the recipe's rate for the rest)."""
     import numpy as np
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "speed"))
     import nanogpt_recipe as recipe  # --target's runs (train_speed.py passes them its options)
     args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000}
     run = recipe.TargetRun("ours, Muon", 65, args)
@@ -103,7 +103,7 @@ def test_ours_own_schedule_is_the_trapezoid_written_out(monkeypatch):
     (it + 1) / 3 during warmup, the peak while the decay is in its first half, then linear
     from the peak to lr/10 (0.775, 0.55, 0.325 of the peak)."""
     import numpy as np
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "speed"))
     import nanogpt_recipe as recipe
     args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_iters": 10,
             "ours_warmup": 2, "ours_cooldown": 0.5, "ours_lr": 3e-3}
@@ -124,7 +124,7 @@ def test_ours_qk_norm_builds_our_runs_only(monkeypatch):
     """--ours_qk_norm=True: both of our runs build the model with qk_norm (model.py's option,
     checked against the float64 reference in tests/test_model.py), nanoGPT's keeps its recipe,
     and the table's heading names it."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "speed"))
     import nanogpt_recipe as recipe
     args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_qk_norm": True}
     kinds = ("nanoGPT, AdamW", "ours, Muon", "ours, AdamW")
@@ -139,7 +139,7 @@ def test_ours_short_trains_our_first_iterations_on_shorter_windows(monkeypatch, 
     block; nanoGPT's run always sees the full block. Reference: the shapes the model was given
     and each window found in the data. A block outside 1..64 is one line."""
     import numpy as np
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "speed"))
     import nanogpt_recipe as recipe
     args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_short": 3,
             "ours_short_block": 16}
@@ -155,7 +155,7 @@ def test_ours_short_trains_our_first_iterations_on_shorter_windows(monkeypatch, 
                 s = next(i for i in range(len(data)) if np.array_equal(data[i:i + len(a)], a))
                 assert np.array_equal(data[s + 1:s + 1 + len(b)], b)
     assert "the first 3 iterations on 16-token windows" in recipe.ours_schedule(args)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed", "train_speed.py"),
                         "--target=True", "--ours_short=5", "--ours_short_block=65",
                         f"--text={tmp_path}"], capture_output=True, text=True, timeout=120,
                        cwd=ROOT)
@@ -169,7 +169,7 @@ def test_ours_dtype_autocasts_our_runs_only(monkeypatch, tmp_path):
     names the dtype. Reference: the logits' dtype inside each run's context, and the score
     recomputed by hand under torch.autocast. A dtype train.py refuses on a CPU is one line."""
     import torch
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "speed"))
     import nanogpt_recipe as recipe
     args = {"seed": 1337, "muon_lr": 0.05, "target_iters": 2000, "ours_dtype": "bfloat16"}
     x = torch.randint(0, 65, (2, 8))
@@ -183,7 +183,7 @@ def test_ours_dtype_autocasts_our_runs_only(monkeypatch, tmp_path):
             assert run.curve[-1][2] == run.model.eval()(x, x)[1].item()
     assert "bf16 autocast" in recipe.ours_schedule(args)
     assert "float32" in recipe.ours_schedule(dict(args, ours_dtype="float32"))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed", "train_speed.py"),
                         "--target=True", "--ours_dtype=float16", f"--text={tmp_path}"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and r.stderr.count("\n") == 1
@@ -193,7 +193,7 @@ def test_ours_dtype_autocasts_our_runs_only(monkeypatch, tmp_path):
 def test_train_dtype_reaches_train_py():
     """--train_dtype is train.py's --dtype in --whole (and --overhead): float16, which train.py
     refuses on a CPU in one line, comes back as that line, so the value went through."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "train_speed.py"),
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed", "train_speed.py"),
                         "--whole=True", "--iters=2", "--eval_iters=1", "--rounds=1",
                         "--threads=1", "--train_dtype=float16"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -202,13 +202,13 @@ def test_train_dtype_reaches_train_py():
 
 
 def load_gpu_speed(monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench", "speed"))
     import gpu_speed
     return gpu_speed
 
 
 def test_gpu_speed_table_is_its_own_arithmetic(monkeypatch, capsys):
-    """bench/gpu_speed.py (run on a GPU by cuda_check.sh) on the CPU with a tiny model: every
+    """bench/speed/gpu_speed.py (run on a GPU by cuda_check.sh) on the CPU with a tiny model: every
     figure of its table follows from what it timed. Reference: the definitions, tokens over
     seconds, MFU = FLOPs per token x tokens/s / peak, decode tokens/s = batch x new tokens
     over the call's seconds; and transformers' greedy decode on the same weights draws our
@@ -262,16 +262,16 @@ def test_mfu_counts_the_flops_torch_counts(shape):
 
 
 def test_ns_coefficients_derive_the_logged_patches_and_say_where_they_leave_the_spectrum():
-    """bench/ns_coefficients.py: its derivation gives the (a, b, c) written in
+    """bench/studies/ns_coefficients.py: its derivation gives the (a, b, c) written in
     bench/patches/ns_per_step4.patch and ns_per_step5.patch (docs/LOG.md's entry), and the
     singular-value ranges it prints are those of the matrix iteration itself (float64 SVD of
     Newton-Schulz, written out here, on a matrix whose singular values fill [low, 1])."""
-    pytest.importorskip("scipy", reason="bench/ns_coefficients.py solves its minimax with scipy")
+    pytest.importorskip("scipy", reason="bench/studies/ns_coefficients.py solves its minimax with scipy")
     import importlib.util
     import numpy as np
     import torch
     spec = importlib.util.spec_from_file_location(
-        "ns_coefficients", os.path.join(ROOT, "bench", "ns_coefficients.py"))
+        "ns_coefficients", os.path.join(ROOT, "bench", "studies", "ns_coefficients.py"))
     ns = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ns)
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "bench", "compare.py"))
 compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare)
-import compare_report  # noqa: E402  (compare.py put bench/ on sys.path; so for stats)
+import compare_report  # noqa: E402  (compare.py put bench/lab/ on sys.path; so for stats)
 import stats  # noqa: E402
 
 

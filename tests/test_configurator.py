@@ -278,7 +278,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 @pytest.mark.parametrize("script", ["train.py", "sample.py", "eval.py", "export.py",
-                                    "bench/train_speed.py", "bench/default_run.py"])
+                                    "bench/speed/train_speed.py", "bench/speed/default_run.py"])
 def test_help_says_what_the_script_does_its_keys_and_where_the_docs_are(script, flag,
                                                                         monkeypatch, capsys):
     """Issue 60 item 17: `--help` was "unknown config key 'help'" (and -h "config file not

@@ -527,7 +527,7 @@ def test_stdlib_collector_is_deterministic_and_finds_text():
 @pytest.mark.slow
 def test_stdlib_subset_prepares(tmp_path):
     """The default pipeline end to end on a slice of the stdlib (the full corpus is for
-    bench/prepare_speed.py): code round-trips exactly through the .bin files."""
+    bench/speed/prepare_speed.py): code round-trips exactly through the .bin files."""
     mod = load_script("pystdlib")
     inputs, _ = mod.stdlib_sources()
     inputs = [s for s in inputs if s[0].startswith(("stdlib/json/", "stdlib/a"))]
@@ -1240,13 +1240,13 @@ def test_error_tokenizer_option_that_does_not_round_trip(tmp_path):
 # ----------------------------------------------------------------------------- progress
 
 def test_bench_optim_timing_shows_progress_in_a_log(monkeypatch, capsys):
-    """Issue 45: bench/adamw_vs_muon.py timed its steps for minutes in silence. harness/progress_waits.py's
+    """Issue 45: bench/studies/adamw_vs_muon.py timed its steps for minutes in silence. harness/progress_waits.py's
     bar (eval.py's too) prints, under a pipe or a file, plain lines with the time left."""
     monkeypatch.setattr(progress_waits, "EVERY_S", 0.0)  # a line at every step
     monkeypatch.setattr(progress_waits, "QUIET_S", -1.0)
     monkeypatch.setattr(sys, "argv", ["optim.py", "--time_steps=1"])
     spec = importlib.util.spec_from_file_location("bench_optim",
-                                                  os.path.join(REPO, "bench", "adamw_vs_muon.py"))
+                                                  os.path.join(REPO, "bench", "studies", "adamw_vs_muon.py"))
     optim = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(optim)
     tiny = dict(n_layer=1, n_head=2, n_embd=32, block_size=8, batch_size=2)

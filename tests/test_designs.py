@@ -1,4 +1,4 @@
-"""bench/designs.py (and its report, bench/designs_report.py) at toy size: two designs, one
+"""bench/studies/designs.py (and its report, bench/studies/designs_report.py) at toy size: two designs, one
 seed, a few iterations of a tiny model on a small corpus made here. The references: the design
 list and lengths asked for (every row exists), the fine-tune's tokens recomputed from its
 iterations, batch and window, and the
@@ -13,10 +13,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-_spec = importlib.util.spec_from_file_location("designs", os.path.join(ROOT, "bench", "designs.py"))
+_spec = importlib.util.spec_from_file_location("designs", os.path.join(ROOT, "bench", "studies", "designs.py"))
 designs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(designs)
-import designs_report  # noqa: E402  (designs.py put bench/ on sys.path)
+import designs_report  # noqa: E402  (designs.py put bench/studies/ on sys.path)
 
 B, ITERS, BATCH, PK_BLOCK, SHARE = 16, 8, 2, 96, 0.5
 TINY = (f"--n_layer=2 --n_head=2 --n_embd=32 --batch_size={BATCH} --eval_iters=1 "

@@ -1,4 +1,4 @@
-"""bench/speedrun.py end to end against a stand-in nanoGPT checkout (a bigram model by counts,
+"""bench/speed/speedrun.py end to end against a stand-in nanoGPT checkout (a bigram model by counts,
 written here: nanoGPT itself is not in this repository): both sides prepared from one text,
 timed in pairs, and each final checkpoint scored on nanoGPT's held-out characters, checked
 against a naive float64 computation of the same mean loss."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEEDRUN = os.path.join(ROOT, "bench", "speedrun.py")
+SPEEDRUN = os.path.join(ROOT, "bench", "speed", "speedrun.py")
 
 PREPARE = """
 import os, pickle, numpy as np

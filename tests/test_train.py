@@ -341,7 +341,7 @@ def test_eval_interval_0_evaluates_and_saves_at_the_end_only(data, tmp_path):
 
 def test_flash_attention_is_off_only_for_short_bf16_windows_on_a_cpu(data, tmp_path):
     """harness/start.py turns SDPA's flash kernel off for bf16 training on a CPU at blocks
-    <= 128 (bench/attention.py --kernels: slower than math there) and nowhere else; torch's
+    <= 128 (bench/speed/attention.py --kernels: slower than math there) and nowhere else; torch's
     own flag, read when the process ends (a sitecustomize hook)."""
     site = tmp_path / "site"
     site.mkdir()

@@ -4,9 +4,9 @@ swept for both, three seeds at each one's best rate, on two corpora; val loss at
 point and at the end; and the cost of a step.
 
     python data/text/prepare.py --input /usr/share/vim/vim90/doc --ext .txt --out_dir data/vimdoc
-    python bench/adamw_vs_muon.py                                   # the table in docs/OPTIM.md
-    python bench/adamw_vs_muon.py --datasets=pystdlib --iters=100   # quicker
-    python bench/adamw_vs_muon.py --step_cost=True --threads=2      # only the cost of a step
+    python bench/studies/adamw_vs_muon.py                                   # the table in docs/OPTIM.md
+    python bench/studies/adamw_vs_muon.py --datasets=pystdlib --iters=100   # quicker
+    python bench/studies/adamw_vs_muon.py --step_cost=True --threads=2      # only the cost of a step
 
 Every run is `python train.py config/small.py` with the overrides printed above the tables
 (one training at a time, --threads torch threads each). A sweep per corpus: AdamW at each rate
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, here)
 from harness import progress_waits  # noqa: E402
 from harness.common import UserError  # noqa: E402

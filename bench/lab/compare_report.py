@@ -1,5 +1,5 @@
 """bench/compare.py's report: per arm, the mean and std over seeds of the held-out loss and
-bits per byte, the paired difference from the base (bench/stats.py) and its per-seed values,
+bits per byte, the paired difference from the base (bench/lab/stats.py) and its per-seed values,
 the training tokens per run (an arm trained on other tokens than the base is refused, not
 compared), the tokens/s and memory ratios and the wall time to the base's final loss, each
 timing with a 95% interval over seeds that says whether it is within the machine's noise
@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-import lab_runs as bench_runs  # the importer puts bench/ on sys.path
+import lab_runs as bench_runs  # the importer puts bench/lab/ on sys.path
 from stats import mean_std, paired
 
 

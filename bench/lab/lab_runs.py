@@ -1,4 +1,4 @@
-"""The run helpers bench/ablation.py and bench/compare.py share: a train.py run folder's
+"""The run helpers bench/studies/ablation.py and bench/compare.py share: a train.py run folder's
 log, whether a finished run can be reused (by a key of everything that decides it; for
 ablation.py, its command), a folder name that says what a run is, a command run with its
 output logged, progress over many runs, atomic text, CSV and figure writes, and pyplot where
@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from harness.common import UserError  # the importers put the repo root on sys.path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def write_atomic(path, text):

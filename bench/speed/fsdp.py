@@ -3,9 +3,9 @@ Peak memory per rank and step time, DDP vs FSDP (fsdp=True), on N ranks of this 
 (gloo on CPU, nccl on GPUs). Each mode runs in its own torchrun with the model, wrapping and
 optimizer of train.py (build.build_model, AdamW), on random tokens.
 
-    python bench/fsdp.py                                  # 2 CPU ranks, ~25M-parameter model
-    python bench/fsdp.py --nproc=2 --n_layer=4 --n_embd=256 --steps=3
-    python bench/fsdp.py --device=cuda --nproc=8 --n_layer=24 --n_embd=2048 --dtype=bfloat16
+    python bench/speed/fsdp.py                                  # 2 CPU ranks, ~25M-parameter model
+    python bench/speed/fsdp.py --nproc=2 --n_layer=4 --n_embd=256 --steps=3
+    python bench/speed/fsdp.py --device=cuda --nproc=8 --n_layer=24 --n_embd=2048 --dtype=bfloat16
 
 Memory on CPU is the process's peak resident set (VmHWM) minus its resident set before the
 model was built, so the torch libraries do not count (glibc is told to unmap freed blocks at
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, HERE)
 from harness.common import UserError  # noqa: E402
 from harness.flags import configure  # noqa: E402

@@ -9,7 +9,7 @@ import os
 from harness.common import UserError  # the importer puts the repo root on sys.path
 from harness.flags import run_config_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIRST_SEED = 1337
 # train.py keys compare sets on every run (train_command), and init_from (another start is
 # another measurement): a flag or variant that changed them would make the report lie (a

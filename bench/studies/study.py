@@ -1,4 +1,4 @@
-"""The study helpers bench/context.py and bench/designs.py share: running the repo's scripts
+"""The study helpers bench/studies/context.py and bench/studies/designs.py share: running the repo's scripts
 (train.py resumably, eval.py with its JSON cached), the record of the runs made, the held-out
 long documents, the fine-tunes' long training documents and the passkey corpora. A failed
 script stops the study in one line naming its log."""
@@ -10,14 +10,14 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from harness.common import UserError  # noqa: E402
-from lab_runs import write_atomic  # noqa: E402  (the importers put bench/ on sys.path)
+from lab_runs import write_atomic  # noqa: E402  (the importers put bench/lab/ on sys.path)
 
 GENERATED = re.compile(r"Codec|generated|DO NOT EDIT")  # the first 100 tokens of a document
 COLLECT = False  # --collect: read what is finished, train and evaluate nothing
-ECHO = print  # how a command is shown (bench/designs.py: above its progress bar)
+ECHO = print  # how a command is shown (bench/studies/designs.py: above its progress bar)
 
 
 def sh(cmd, log):
@@ -208,7 +208,7 @@ def long_corpus(out, data_dir, min_tokens):
 def passkey_mix(out, name, words, docs, keys, vocab, tokenizer=None):
     """out/data/name: `docs` documents, half with one unlabelled key, half with 1..keys
     labelled ones (one tokenizer of `vocab` pieces, or `tokenizer`'s), so that both of
-    bench/designs.py's grids ask what training showed; with keys=1 both halves hold one
+    bench/studies/designs.py's grids ask what training showed; with keys=1 both halves hold one
     unlabelled key (two seeds), and there is one grid."""
     folder = os.path.join(out, "data", name)
     if os.path.exists(os.path.join(folder, "meta.json")):

@@ -3,8 +3,8 @@ Newton-Schulz with coefficients of its own for each step: the coefficients, deri
 bench/patches/ns_per_step4.patch and ns_per_step5.patch (docs/LOG.md, 2026-11-29: both lost to
 torch's, so muon.py keeps torch's).
 
-    python bench/ns_coefficients.py                        # ns_per_step4.patch's: 4 steps
-    python bench/ns_coefficients.py --steps 5 --low 0.001  # ns_per_step5.patch's
+    python bench/studies/ns_coefficients.py                        # ns_per_step4.patch's: 4 steps
+    python bench/studies/ns_coefficients.py --steps 5 --low 0.001  # ns_per_step5.patch's
 
 Muon scales an update to Frobenius norm 1, so its singular values lie in (0, 1], and moves it
 towards the nearest semi-orthogonal matrix with steps x <- a x + b (x x^T) x + c (x x^T)^2 x,
@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from muon import Muon  # noqa: E402
 
 TORCH = Muon.COEFFICIENTS  # torch.optim.Muon's (a, b, c), for each of its 5 steps
@@ -34,7 +34,7 @@ def minimax_quintic(low, high, points=4000):
     try:
         from scipy.optimize import linprog
     except ImportError:
-        sys.exit("error: bench/ns_coefficients.py needs scipy: pip install scipy")
+        sys.exit("error: bench/studies/ns_coefficients.py needs scipy: pip install scipy")
     s = np.concatenate([np.geomspace(low, high, points), np.linspace(low, high, points)])
     powers = np.stack([s, s ** 3, s ** 5], axis=1)
     ones = np.ones((len(s), 1))

@@ -1,20 +1,20 @@
 """The position designs' study, one command: each position design (a named set of RoFormerConfig keys) is
 trained at block B with N seeds, read at 1x..8x B at inference only, then fine-tuned at 4B
 (`train.py --init_from`, at most --ft_share of the pretraining tokens, on documents longer than
-4B) and read again; two models, as bench/context.py: config/small.py's on the default corpus
+4B) and read again; two models, as bench/studies/context.py: config/small.py's on the default corpus
 (bits per byte on long held-out documents) and a passkey model (the single-key grid,
 `eval.py --passkey --keys=1`, and the multi-key one, `--keys=K`). The 1x comparison with plain
 RoPE at equal tokens is bench/compare.py's (stage `compare`); the report checks the targets.
 
-    python bench/designs.py                                  # everything at the defaults
-    python bench/designs.py --stages=text,report --seeds=1   # a part; finished work is reused
-    python bench/designs.py --designs='rope:;half:rotary_fraction=0.5'
-    python bench/designs.py --readings="temp03:--length_temperature=0.3"  # base runs read again
+    python bench/studies/designs.py                                  # everything at the defaults
+    python bench/studies/designs.py --stages=text,report --seeds=1   # a part; finished work is reused
+    python bench/studies/designs.py --designs='rope:;half:rotary_fraction=0.5'
+    python bench/studies/designs.py --readings="temp03:--length_temperature=0.3"  # base runs read again
 
 --designs: `NAME:KEY=VALUE KEY=VALUE;NAME:...`; the first is the reference (plain RoPE by
 default); a value `B/n` is the model's block divided by n (the text and passkey models have
 their own B). Resumable: a run whose log reached its last iteration and an evaluation whose
-JSON exists are reused (bench/study.py); a design name is bound to its keys in --out, so that
+JSON exists are reused (bench/studies/study.py); a design name is bound to its keys in --out, so that
 a changed design is never read from another's runs. Under --out (default
 bench/results/designs, git-ignored): runs/, logs/, evals/, data/, compare/ (bench/compare.py's
 folder), results.json (rows, runs with their wall minutes, fine-tune shares, targets),
@@ -29,6 +29,7 @@ import time
 
 from tqdm import tqdm
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study  # noqa: E402  (the run helpers: shared with context.py)
 from study import (ROOT, ensure_corpus, eval_set, evaluate, last_line, lengths_of,  # noqa: E402

@@ -1,4 +1,4 @@
-"""Trained checkpoints read past their training length: bench/ablation.py's stage 2 (length
+"""Trained checkpoints read past their training length: bench/studies/ablation.py's stage 2 (length
 extrapolation: held-out windows of 1x, 2x, 4x block_size, with position interpolation, NTK
 scaling and a sliding window besides the plain model) and stage 3 (generation past the
 training length: crop-and-recompute against the rolling cache, attention sinks and the

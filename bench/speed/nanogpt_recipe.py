@@ -1,4 +1,4 @@
-"""nanoGPT's CPU recipe as the reference bench/train_speed.py measures against: its shape
+"""nanoGPT's CPU recipe as the reference bench/speed/train_speed.py measures against: its shape
 (RECIPE), the nanoGPT-equivalent model (recipe_model("learned")), torch's AdamW as nanoGPT
 builds it (plain_optimizer), the plain loop (plain_steps), the whole plain command with its
 evaluations and checkpoint writes (plain_run, train_speed.py --plain_run=DIR), and
@@ -44,7 +44,7 @@ from harness.common import UserError
 from harness.device import native_bf16, pick_device
 from optim import build_optimizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, vocab_size=65)
 LR, WEIGHT_DECAY, BETAS, WARMUP = 1e-3, 0.1, (0.9, 0.99), 100
 

@@ -7,9 +7,9 @@ with the compiled CUDA-graph step at batch 1 and 8 (tokens/s), beside transforme
 on the same weights as the exported GPT-NeoX model. Random weights and tokens: speed does not
 depend on what was learned.
 
-    python bench/gpu_speed.py                          # a few minutes on an H100-class GPU
-    python bench/gpu_speed.py --optimizer=muon --steps=50
-    python bench/gpu_speed.py --device=cpu --tiny      # the same code on a CPU (the tests)
+    python bench/speed/gpu_speed.py                          # a few minutes on an H100-class GPU
+    python bench/speed/gpu_speed.py --optimizer=muon --steps=50
+    python bench/speed/gpu_speed.py --device=cpu --tiny      # the same code on a CPU (the tests)
 
 Tokens/s is tokens over the wall time of the timed steps, after --warmup untimed ones (the
 compilation); MFU is harness/mfu.flops_per_token x tokens/s / peak, the formula train.py's
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 import optim  # noqa: E402
 from decode import generate  # noqa: E402

@@ -4,8 +4,8 @@ command and its training tokens/s, with each optimizer, on this CPU as it is and
 with bf16 emulated (oneDNN and ATen limited to AVX2, as on an AVX2-only CPU: a bf16 product then
 costs ~100x a float32 one). Arms alternate round by round, so the machine's load falls on all.
 
-    python bench/default_run.py                              # 1 round, both optimizers, both kinds
-    python bench/default_run.py --rounds=2 --kinds=avx2 --optimizers=muon
+    python bench/speed/default_run.py                              # 1 round, both optimizers, both kinds
+    python bench/speed/default_run.py --rounds=2 --kinds=avx2 --optimizers=muon
 
 The corpus is built before the first arm (its ~5 s is not in the times).
 """
@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, here)
 from harness.common import UserError  # noqa: E402
 from harness.flags import configure  # noqa: E402

@@ -3,9 +3,9 @@ Decoding speed against the hardware's limit (random weights: speed does not depe
 was learned). Default shape: 6 layers, 6 heads, 384 wide, vocab 8192, block 256 (14M
 parameters, 55 MB in float32); greedy, 16-token prompt, 256 new tokens.
 
-    python bench/decode_speed.py                              # all tables, ~5 min on 2 busy cores
-    python bench/decode_speed.py --no-compile --tables 1,3 --threads 1
-    python bench/decode_speed.py --n_layer 4 --n_head 4 --n_embd 256 --vocab_size 4096
+    python bench/speed/decode_speed.py                              # all tables, ~5 min on 2 busy cores
+    python bench/speed/decode_speed.py --no-compile --tables 1,3 --threads 1
+    python bench/speed/decode_speed.py --n_layer 4 --n_head 4 --n_embd 256 --vocab_size 4096
 
 Tables:
   1. The ceiling. A decode step must read every weight once, so it can go no faster than one
@@ -41,7 +41,7 @@ import warnings
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from decode import generate, generate_stream  # noqa: E402
 from model import RoFormer, RoFormerConfig  # noqa: E402

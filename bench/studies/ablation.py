@@ -2,9 +2,9 @@
 What RoPE buys, measured on this repo: a position-encoding ablation, length extrapolation,
 and generation past the training length. One command runs all three:
 
-    python bench/ablation.py                     # the defaults: a 2-core CPU, < 45 minutes
-    python bench/ablation.py --variants=rope,shaw,t5,alibi --seeds=1337   # relative baselines
-    python bench/ablation.py --device=cuda --max_iters=3000 --n_layer=6 --n_embd=384 \\
+    python bench/studies/ablation.py                     # the defaults: a 2-core CPU, < 45 minutes
+    python bench/studies/ablation.py --variants=rope,shaw,t5,alibi --seeds=1337   # relative baselines
+    python bench/studies/ablation.py --device=cuda --max_iters=3000 --n_layer=6 --n_embd=384 \\
         --block_size=256 --batch_size=64 --out=bench/results/gpu
 
 1. Training. The same small model is trained by the real train.py (one subprocess per run)
@@ -48,9 +48,10 @@ import time
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "lab"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "studies"))
 from extrapolation import (extrapolation, extrapolation_report, generation,  # noqa: E402
                            generation_report)
 from lab_runs import pyplot, read_log, save_figure, stale, write_atomic, write_csv  # noqa: E402
@@ -359,7 +360,7 @@ def main(argv):
                + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     n_tok = runs[0]["log"][-1]["tokens"]
     head = ["# Position-encoding ablation", "",
-            f"Command: `{' '.join(['python bench/ablation.py'] + argv)}`",
+            f"Command: `{' '.join(['python bench/studies/ablation.py'] + argv)}`",
             "", f"Model: {args.n_layer} layers, {args.n_head} heads, n_embd {args.n_embd}, "
             f"block_size {args.block_size}; {args.max_iters} steps of batch {args.batch_size}, "
             f"{n_tok / 1e6:.2f}M training tokens per run; "

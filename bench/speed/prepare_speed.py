@@ -1,8 +1,8 @@
 """
 data/text/prepare.py on a large synthetic corpus: throughput, peak memory, and the ceiling.
 
-    python bench/prepare_speed.py                        # 2 GB corpus (the default --size)
-    python bench/prepare_speed.py --size 200M --forms txt jsonl.gz parquet
+    python bench/speed/prepare_speed.py                        # 2 GB corpus (the default --size)
+    python bench/speed/prepare_speed.py --size 200M --forms txt jsonl.gz parquet
 
 The corpus is made here (no download) in --workdir and kept for the next run: documents of
 pseudo-words with a Zipf-like frequency, lines and paragraphs, about 3 KB each, written
@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARDS = 16
 
 

@@ -1,4 +1,4 @@
-"""bench/designs.py's report: each design's targets (the fine-tuned gain at 4x, passkey at 4x,
+"""bench/studies/designs.py's report: each design's targets (the fine-tuned gain at 4x, passkey at 4x,
 1x within the noise of bench/compare.py's reference), the tables of every reading
 (tables.md), results.json and the plot (designs.png). It reads rows the study stored; it runs
 nothing."""
@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from stats import interval  # the importer puts bench/ on sys.path
+from stats import interval  # the importer puts bench/lab/ and bench/studies/ on sys.path
 from lab_runs import pyplot, save_figure, write_atomic
 from study import runs_record
 
@@ -193,7 +193,7 @@ def plot(args, rows, path):
 def report(args, rows, shares, info, noise):
     runs, B, bp, names = runs_record(args.out), args.block_size, args.pk_block, list(args.designs)
     tg = targets(args, rows, noise)
-    parts = ["# Position designs (bench/designs.py)\n", f"## Targets ({args.seeds} seeds)\n",
+    parts = ["# Position designs (bench/studies/designs.py)\n", f"## Targets ({args.seeds} seeds)\n",
              targets_table(args, tg),
              "\n## Training runs (wall minutes on the machine they ran on)\n",
              "| run | iterations | tokens | wall minutes |", "|---|---:|---:|---:|"]

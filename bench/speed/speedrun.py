@@ -2,8 +2,8 @@
 The CPU speedrun: `python train.py config/speedrun_cpu.py` against nanoGPT's own CPU recipe,
 each a whole process, alternated in pairs on one machine, on a character text.
 
-    python bench/speedrun.py --nanogpt=DIR --text=FILE_OR_FOLDER [--name=vim] [--seeds=5]
-    python bench/speedrun.py --nanogpt=DIR --text=... --nanogpt_runs=0 --flags="--max_iters=300"
+    python bench/speed/speedrun.py --nanogpt=DIR --text=FILE_OR_FOLDER [--name=vim] [--seeds=5]
+    python bench/speed/speedrun.py --nanogpt=DIR --text=... --nanogpt_runs=0 --flags="--max_iters=300"
 
 DIR is a checkout of nanoGPT (github.com/karpathy/nanoGPT). The text (a file, or a folder's
 files in name order, --ext to keep some) is cut to --chars characters and given to both sides'
@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from harness.common import REPO, UserError, cli  # noqa: E402
 from harness.flags import configure  # noqa: E402
 
@@ -145,7 +145,7 @@ def one_sided_p(values, target):
     try:
         from scipy import stats
     except ImportError:
-        raise UserError("bench/speedrun.py needs scipy for its t-test: pip install scipy")
+        raise UserError("bench/speed/speedrun.py needs scipy for its t-test: pip install scipy")
     if len(values) < 2:
         return float("nan")
     return float(stats.ttest_1samp(values, target, alternative="less").pvalue)

@@ -1,6 +1,6 @@
 """Student's t from the regularised incomplete beta function (no scipy): bench/compare.py's
-paired test and bench/designs.py's intervals over seeds; and the plain spread over seeds that
-bench/ablation.py's and bench/context.py's tables give."""
+paired test and bench/studies/designs.py's intervals over seeds; and the plain spread over seeds that
+bench/studies/ablation.py's and bench/studies/context.py's tables give."""
 import math
 
 

@@ -3,13 +3,13 @@ Training throughput of config/small.py's model: tokens/s and MFU, eager vs torch
 float32 vs bf16 autocast, RoPE vs learned absolute positions, all in one run so the ratios
 are comparable (timings on a shared machine are noisy; read the ratios).
 
-    python bench/train_speed.py                    # CPU, config/small.py's shape
-    python bench/train_speed.py --steps=20 --compile=False
-    python bench/train_speed.py --overhead=True    # train.py's step vs a nanoGPT-equivalent one
-    python bench/train_speed.py --whole=True       # the whole 300-iteration command, both ways
-    python bench/train_speed.py --profile=True     # torch.profiler: what train.py adds per step
-    python bench/train_speed.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
-    python bench/train_speed.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
+    python bench/speed/train_speed.py                    # CPU, config/small.py's shape
+    python bench/speed/train_speed.py --steps=20 --compile=False
+    python bench/speed/train_speed.py --overhead=True    # train.py's step vs a nanoGPT-equivalent one
+    python bench/speed/train_speed.py --whole=True       # the whole 300-iteration command, both ways
+    python bench/speed/train_speed.py --profile=True     # torch.profiler: what train.py adds per step
+    python bench/speed/train_speed.py --adamw_step=True  # AdamW's step alone: for-loop, foreach, fused
+    python bench/speed/train_speed.py --target=True --text=FILE_OR_FOLDER  # time to nanoGPT's final loss
 
 MFU is model FLOPs (harness.mfu.flops_per_token) per second over a peak rate: on CPU a
 1024^3 matmul in the same dtype, timed in this run; on CUDA the same measured rate (so
@@ -17,7 +17,7 @@ the numbers stay comparable with the CPU ones).
 
 The last three run at nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, block 64, batch 12,
 vocab 65, float32, eager, AdamW, clip 1.0) on random tokens, at each of --threads torch
-threads. The reference, the nanoGPT-equivalent step (bench/nanogpt_recipe.py), is our
+threads. The reference, the nanoGPT-equivalent step (bench/speed/nanogpt_recipe.py), is our
 RoFormer with learned positions (recipe_model("learned"): nanoGPT's architecture, learned
 positions, pre-LayerNorm blocks without biases, causal SDPA, GELU MLP, tied head) under
 torch's AdamW as nanoGPT builds it on CPU (weight decay on the matrices, plain_optimizer) in a
@@ -36,13 +36,13 @@ is train.py's --dtype here and in --whole: auto times train.py as it runs by def
 autocast on a CPU that multiplies bf16 natively) against the float32 plain loop.
 --whole=True: wall and CPU time of `python train.py` for --iters iterations (evaluating at 0,
 --eval_interval and the end, --eval_iters batches per split, checkpoints where it writes
-them) against `python bench/train_speed.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
+them) against `python bench/speed/train_speed.py --plain_run=DIR`: the nanoGPT-equivalent plain loop with
 the same evaluations and checkpoint writes; alternated over --rounds rounds.
 --profile=True: torch.profiler over --steps iterations of train.py and of the plain loop on
 our RoFormer (RoPE): per-iteration CPU time by op for each, and the ops where they differ.
 --target=True: quality per unit of time, the time our RoFormer (Muon, AdamW) takes to
 reach nanoGPT's final held-out loss on nanoGPT's shakespeare_char CPU recipe
-(bench/nanogpt_recipe.py says how).
+(bench/speed/nanogpt_recipe.py says how).
 """
 import contextlib
 import json
@@ -59,7 +59,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from harness.common import UserError  # noqa: E402
 from harness.flags import configure  # noqa: E402
 from harness.mfu import flops_per_token  # noqa: E402
@@ -82,7 +82,7 @@ try:
     args = configure(defaults, sys.argv[1:], sources=(__file__,))
 except UserError as e:
     sys.exit(f"error: {e}")
-here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLOCK = time.process_time if args["cpu_clock"] else time.perf_counter  # --overhead's stamps
 
 

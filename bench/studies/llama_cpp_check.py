@@ -5,7 +5,7 @@ token ids match, and bits per byte on the first --tokens tokens of the run's val
 llama.cpp with eval.py's windows, next to eval.py's own score of the same tokens.
 
     python train.py config/small.py                       # or any softmax + RoPE run
-    python bench/llama_cpp_check.py --out_dir=out-small --tokens 50000
+    python bench/studies/llama_cpp_check.py --out_dir=out-small --tokens 50000
 
 llama-cpp-python must be installed (`pip install llama-cpp-python` compiles llama.cpp). A build
 with Intel AMX kernels (the default on a CPU that has AMX) crashed in its q8_0 matrix product
@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from harness.common import cli  # noqa: E402
 from harness.load import load_run  # noqa: E402

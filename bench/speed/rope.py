@@ -5,9 +5,9 @@ forward+backward time of nanoGPT's CPU recipe (4 layers, 4 heads, 128 wide, bloc
 model.py file from another commit), alternated in one process so load changes hit both.
 
     git show 73f601f:model.py > /tmp/model_old.py
-    python bench/rope.py --baseline /tmp/model_old.py
-    python bench/rope.py --baseline /tmp/model_old.py --threads 2 --rounds 20 --iters 10
-    python bench/rope.py --pairs --threads 1 --rounds 30     # the forms side by side (+ CUDA)
+    python bench/speed/rope.py --baseline /tmp/model_old.py
+    python bench/speed/rope.py --baseline /tmp/model_old.py --threads 2 --rounds 20 --iters 10
+    python bench/speed/rope.py --pairs --threads 1 --rounds 30     # the forms side by side (+ CUDA)
 
 --pairs: which exact form of the rotation is cheapest. (a) Per attention layer, the recipe's
 c_attn output -> rotation -> causal SDPA, forward + backward, against no rotation: half pairs
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 import model as current  # noqa: E402
 

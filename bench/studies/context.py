@@ -6,9 +6,9 @@ token seeing only its last B tokens) -- first at inference only, then after a sh
 Two models: config/small.py's on the default corpus (bits per byte on long held-out
 documents), and a small passkey model (greedy recall of a 5-digit key, lengths x depths).
 
-    python bench/context.py                           # everything: train, evaluate, report
-    python bench/context.py --stages=passkey,report   # a part; finished work is never redone
-    python bench/context.py --seeds=1337,1338         # more seeds of the text model
+    python bench/studies/context.py                           # everything: train, evaluate, report
+    python bench/studies/context.py --stages=passkey,report   # a part; finished work is never redone
+    python bench/studies/context.py --seeds=1337,1338         # more seeds of the text model
 
 Resumable: a training run whose log reached its last iteration, and an evaluation whose JSON
 exists, are skipped. Under --out (default bench/results/context, git-ignored): runs/ (the
@@ -26,6 +26,7 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lab"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study as bench_study  # noqa: E402  (the run helpers: shared with designs.py)
 from study import (ROOT, ensure_corpus, eval_set, evaluate, fine_tune,  # noqa: E402
@@ -264,7 +265,7 @@ def plot(rows, path):
 
 def report(args, rows):
     runs_md, runs = runs_table(args.out)
-    parts = ["# Context extension study (bench/context.py)\n",
+    parts = ["# Context extension study (bench/studies/context.py)\n",
              "## Training runs (wall minutes on the machine they ran on)\n", runs_md]
     for model, key, fmt, block in [("text", "bits_per_byte", "{:.4f}", 256),
                                    ("passkey", "accuracy", "{:.2f}", args.pk_block)]:

@@ -2,12 +2,12 @@
 One attention layer, forward + backward: softmax (SDPA) vs linear attention (eq. 19, chunked)
 across sequence lengths, and what RoPE costs over no position encoding.
 
-    python bench/attention.py                      # N = 512 .. 8192, batch 1, 6 heads x 64
-    python bench/attention.py --lengths 1024,4096 --reps 5
-    python bench/attention.py --positions          # RoPE vs the baselines, N = 512,2048,8192
-    python bench/attention.py --flex --lengths 1024,2048   # SDPA float mask vs flex_attention
-    python bench/attention.py --decode             # cached decoding per position encoding
-    python bench/attention.py --kernels --lengths 32,64,128,256 --n_embd 128 --n_head 4
+    python bench/speed/attention.py                      # N = 512 .. 8192, batch 1, 6 heads x 64
+    python bench/speed/attention.py --lengths 1024,4096 --reps 5
+    python bench/speed/attention.py --positions          # RoPE vs the baselines, N = 512,2048,8192
+    python bench/speed/attention.py --flex --lengths 1024,2048   # SDPA float mask vs flex_attention
+    python bench/speed/attention.py --decode             # cached decoding per position encoding
+    python bench/speed/attention.py --kernels --lengths 32,64,128,256 --n_embd 128 --n_head 4
 
 --positions: one softmax layer, fwd+bwd, for rope, learned, shaw, t5, alibi: time, peak
 memory and the ratio to rope. learned adds its table to the embeddings, so in one layer it
@@ -37,7 +37,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from decode import generate  # noqa: E402
 from model import Attention, Positions, RoFormer, RoFormerConfig, rope_table  # noqa: E402
 
