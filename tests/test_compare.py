@@ -173,18 +173,22 @@ def test_the_base_again_is_its_own_arm_with_other_seeds(tmp_path):
 @pytest.mark.parametrize("patch", sorted(os.listdir(os.path.join(ROOT, "bench", "patches"))))
 def test_the_logged_patches_still_apply_to_this_tree(patch, tmp_path):
     """docs/LOG.md's changes are reruns of bench/patches/*.patch: each must apply to today's
-    files (copies of those it touches, model.py or muon.py, in a scratch repository), and the
-    patched model must still build, run a forward and take a Muon step, so that
-    `--variant=patch:...` reruns the entry instead of failing."""
+    files (copies of those it touches, model.py, muon.py or train.py, in a scratch repository),
+    the patched model must still build, run a forward and take a Muon step, and a patched
+    train.py must compile, so that `--variant=patch:...` reruns the entry instead of failing."""
     path = os.path.join(ROOT, "bench", "patches", patch)
     with open(path) as f:
         touched = re.findall(r"^\+\+\+ b/(\S+)$", f.read(), flags=re.M)
-    assert touched and set(touched) <= {"model.py", "muon.py"}, touched
+    assert touched and set(touched) <= {"model.py", "muon.py", "train.py"}, touched
     for name in touched:
         shutil.copy(os.path.join(ROOT, name), tmp_path / name)
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     r = subprocess.run(["git", "apply", path], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, f"{patch} no longer applies to {touched}: {r.stderr.strip()}"
+    if "train.py" in touched:
+        r = subprocess.run([sys.executable, "-m", "py_compile", str(tmp_path / "train.py")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-500:]
     code = ("import sys, torch; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import model, muon; "
             "c = model.RoFormerConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32); "
             "m = model.RoFormer(c); x = torch.randint(0, 64, (1, 16)); loss = m(x, x)[1]; "
