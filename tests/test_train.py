@@ -339,6 +339,24 @@ def test_eval_interval_0_evaluates_and_saves_at_the_end_only(data, tmp_path):
     assert r.returncode == 1 and "eval_interval must be >= 0, got -1" in r.stderr
 
 
+def test_the_speedrun_config_trains_and_resumes_across_its_switch_exactly(data, tmp_path):
+    """config/speedrun_cpu.py as docs/RECORDS.md runs it (shortened by flags after it): its
+    model (QK-norm, the value residual), Muon, one evaluation at the end; stopped at iteration 3
+    (before the switch to full windows at 4) and resumed, it ends where an unbroken run does."""
+    common = ["config/speedrun_cpu.py", f"--data_dir={data}", "--dtype=float32",
+              "--max_iters=6", "--lr_decay_iters=6", "--short_iters=4", "--warmup_iters=1"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(*common, f"--out_dir={a}")
+    ck = load(a)
+    assert ck["model_args"]["qk_norm"] and ck["model_args"]["value_residual"]
+    assert ck["config"]["optimizer"] == "muon" and [r["iter"] for r in log(a)] == [6]
+    assert log(a)[-1]["tokens"] == 4 * 12 * 32 + 2 * 12 * 64  # 4 short, 2 full
+    train(*common[:4], "--max_iters=3", *common[5:], f"--out_dir={b}")
+    train(*common, f"--out_dir={b}", "--init_from=resume")
+    assert max_diff(ck["model"], load(b)["model"]) < 1e-6
+    assert abs(log(a)[-1]["val_loss"] - log(b)[-1]["val_loss"]) < 1e-6
+
+
 def test_flash_attention_is_off_only_for_short_bf16_windows_on_a_cpu(data, tmp_path):
     """harness/start.py turns SDPA's flash kernel off for bf16 training on a CPU at blocks
     <= 128 (bench/speed/attention.py --kernels: slower than math there) and nowhere else; torch's
