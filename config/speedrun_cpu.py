@@ -3,7 +3,7 @@
 #   python data/shakespeare/prepare.py --char [--input FILE] && python train.py config/speedrun_cpu.py
 out_dir = "out-speedrun-cpu"
 dataset = "shakespeare_char"
-compile = False            # a whole run is ~25 s: compiling would cost more than it saves
+compile = False            # a whole run is ~30 s: compiling would cost more than it saves
 
 # nanoGPT's CPU shape: 4 layers, 4 heads, 128 wide, block 64, batch 12, dropout 0
 n_layer = 4
@@ -19,14 +19,14 @@ value_residual = True
 
 # the recipe: Muon, a schedule set for its own length, the first iterations on half windows
 optimizer = "muon"
-max_iters = 275
-lr_decay_iters = 275
+max_iters = 375
+lr_decay_iters = 375
 muon_lr = 0.03
 learning_rate = 3e-3       # AdamW's part: embeddings, head, norms
 min_lr = 3e-4
 warmup_iters = 10
 cooldown = 0.5             # the peak held, then a straight line to min_lr over the last half
-short_iters = 110
+short_iters = 150
 
 eval_interval = 0          # evaluate once, at the end
 eval_iters = 20
