@@ -3,7 +3,7 @@
 #   python data/shakespeare/prepare.py --char [--input FILE] && python train.py config/speedrun_cpu.py
 out_dir = "out-speedrun-cpu"
 dataset = "shakespeare_char"
-compile = False            # a whole run is ~30 s: compiling would cost more than it saves
+compile = False            # compiling costs more than a run this short would save
 
 # nanoGPT's CPU shape: 4 layers, 4 heads, 128 wide, block 64, batch 12, dropout 0
 n_layer = 4

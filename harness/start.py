@@ -116,7 +116,7 @@ def place(c):
     autocast = (contextlib.nullcontext() if dtype == "float32" or c["fsdp"]
                 else torch.autocast(device_type=dev.type, dtype=getattr(torch, dtype)))
     if dev.type == "cpu" and dtype == "bfloat16" and c["block_size"] <= 128:
-        # SDPA's CPU flash kernel in bf16 takes 2-3x the plain product's time (math) at short
+        # SDPA's CPU flash kernel in bf16 is slower than the plain product (math) at short
         # windows, its backward most (SPEED.md, "attention on a CPU in bf16"); the flag is
         # torch's global one, read by the CPU's choice of kernel as well as CUDA's
         torch.backends.cuda.enable_flash_sdp(False)
