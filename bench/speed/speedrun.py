@@ -3,7 +3,7 @@ The CPU speedrun: `python train.py config/speedrun_cpu.py` against nanoGPT's own
 each a whole process, alternated in pairs on one machine, on a character text.
 
     python bench/speed/speedrun.py --nanogpt=DIR --text=FILE_OR_FOLDER [--name=vim] [--seeds=5]
-    python bench/speed/speedrun.py --nanogpt=DIR --text=... --nanogpt_runs=0 --flags="--max_iters=300"
+    python bench/speed/speedrun.py --nanogpt=DIR --text=T --nanogpt_runs=0 --flags="--max_iters=300"
 
 DIR is a checkout of nanoGPT (github.com/karpathy/nanoGPT). The text (a file, or a folder's
 files in name order, --ext to keep some) is cut to --chars characters and given to both sides'
@@ -37,9 +37,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from harness.common import REPO, UserError, cli  # noqa: E402
+from harness.files import atomic_write  # noqa: E402
 from harness.flags import configure  # noqa: E402
 
 NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
@@ -170,59 +172,66 @@ def main(argv):
     ng_runs = args["seeds"] if args["nanogpt_runs"] < 0 else args["nanogpt_runs"]
     if ng_runs == 0 and not any(p.get("nanogpt_s") for h in history for p in h["pairs"]):
         raise UserError(f"--nanogpt_runs=0 needs an earlier run of this text in {work}")
-    ng_out = os.path.join(work, "nanogpt")
-    pairs = []
-    for i in range(args["seeds"]):
-        seed = args["first_seed"] + i
-        ours_out = os.path.join(work, f"ours-{seed}")
-        shutil.rmtree(ours_out, ignore_errors=True)
-        ours_cmd = [sys.executable, "train.py", args["config"], f"--seed={seed}",
-                    f"--data_dir={data_dir}", f"--out_dir={ours_out}", *args["flags"].split()]
-        ng_cmd = [sys.executable, "train.py", *NANOGPT_ARGS, f"--dataset={dataset}",
-                  f"--out_dir={ng_out}"]
-        pair = {"seed": seed}
-        jobs = [("ours", ours_cmd, REPO)] + ([("nanogpt", ng_cmd, args["nanogpt"])]
-                                             if i < ng_runs else [])
-        for side, cmd, cwd in (jobs if i % 2 == 0 else jobs[::-1]):
-            pair[f"{side}_s"] = timed(cmd, cwd, os.path.join(work, f"{side}-{seed}.log"))
-            print(f"seed {seed}: {side} {pair[f'{side}_s']:.1f} s", flush=True)
-        if "nanogpt_s" in pair:
-            out = subprocess.run([sys.executable, "-c", NANOGPT_SCORE,
-                                  os.path.join(ng_out, "ckpt.pt"),
-                                  os.path.join("data", dataset, "val.bin")],
-                                 cwd=args["nanogpt"], capture_output=True, text=True, check=True)
-            scored = json.loads(out.stdout.strip().splitlines()[-1])
-            pair.update(nanogpt_scored=scored["loss"], nanogpt_ckpt_iter=scored["iter"],
-                        nanogpt_printed=last_nanogpt_val(os.path.join(work, f"nanogpt-{seed}.log")))
-        pair.update(ours_scored=score_ours(ours_out, val_text),
-                    ours_printed=last_val(os.path.join(ours_out, "log.jsonl")))
-        print(f"seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in pair.items()
-                                         if isinstance(v, float)), flush=True)
-        pairs.append(pair)
+    pairs = [one_pair(args, work, i, dataset, data_dir, val_text, timed_nanogpt=i < ng_runs)
+             for i in range(args["seeds"])]
+    summary = summarise(args, pairs, history, len(val_text))
+    history.append(summary)
+    atomic_write(results_path, lambda tmp: Path(tmp).write_text(json.dumps(history, indent=1)))
+
+
+def one_pair(args, work, i, dataset, data_dir, val_text, timed_nanogpt):
+    """Seed first_seed + i: ours and (if timed_nanogpt) nanoGPT, in an order that alternates
+    with i, each timed whole, then both scored on nanoGPT's held-out characters."""
+    seed = args["first_seed"] + i
+    ours_out, ng_out = os.path.join(work, f"ours-{seed}"), os.path.join(work, "nanogpt")
+    shutil.rmtree(ours_out, ignore_errors=True)
+    ours_cmd = [sys.executable, "train.py", args["config"], f"--seed={seed}",
+                f"--data_dir={data_dir}", f"--out_dir={ours_out}", *args["flags"].split()]
+    ng_cmd = [sys.executable, "train.py", *NANOGPT_ARGS, f"--dataset={dataset}",
+              f"--out_dir={ng_out}"]
+    pair = {"seed": seed}
+    jobs = [("ours", ours_cmd, REPO)] + ([("nanogpt", ng_cmd, args["nanogpt"])]
+                                         if timed_nanogpt else [])
+    for side, cmd, cwd in (jobs if i % 2 == 0 else jobs[::-1]):
+        pair[f"{side}_s"] = timed(cmd, cwd, os.path.join(work, f"{side}-{seed}.log"))
+        print(f"seed {seed}: {side} {pair[f'{side}_s']:.1f} s", flush=True)
+    if timed_nanogpt:
+        out = subprocess.run([sys.executable, "-c", NANOGPT_SCORE, os.path.join(ng_out, "ckpt.pt"),
+                              os.path.join("data", dataset, "val.bin")],
+                             cwd=args["nanogpt"], capture_output=True, text=True, check=True)
+        scored = json.loads(out.stdout.strip().splitlines()[-1])
+        pair.update(nanogpt_scored=scored["loss"], nanogpt_ckpt_iter=scored["iter"],
+                    nanogpt_printed=last_nanogpt_val(os.path.join(work, f"nanogpt-{seed}.log")))
+    pair.update(ours_scored=score_ours(ours_out, val_text),
+                ours_printed=last_val(os.path.join(ours_out, "log.jsonl")))
+    print(f"seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in pair.items()
+                                     if isinstance(v, float)), flush=True)
+    return pair
+
+
+def summarise(args, pairs, history, chars):
+    """The run's record for results.json, printed: the time ratio (per pair, or against the
+    earlier nanoGPT runs' mean time when this run timed none), the scored losses and p."""
     earlier = [p for h in history for p in h["pairs"] if "nanogpt_s" in p]
     timed_ng = [p for p in pairs if "nanogpt_s" in p] or earlier
     target = statistics.mean(p["nanogpt_scored"] for p in timed_ng)
     ng_s = statistics.mean(p["nanogpt_s"] for p in timed_ng)
-    ratios = [p["ours_s"] / p["nanogpt_s"] if "nanogpt_s" in p else p["ours_s"] / ng_s
-              for p in pairs]
+    ratios = [p["ours_s"] / p.get("nanogpt_s", ng_s) for p in pairs]
     losses = [p["ours_scored"] for p in pairs]
     summary = {"when": time.strftime("%Y-%m-%d %H:%M"), "config": args["config"],
-               "flags": args["flags"], "text": args["text"], "chars": len(val_text),
+               "flags": args["flags"], "text": args["text"], "chars": chars,
                "env": {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
                        if k in os.environ},
                "paired": all("nanogpt_s" in p for p in pairs), "pairs": pairs,
                "ratio": statistics.mean(ratios), "target": target,
                "ours_mean": statistics.mean(losses), "p": one_sided_p(losses, target)}
-    history.append(summary)
-    with open(results_path + ".tmp", "w") as f:
-        json.dump(history, f, indent=1)
-    os.replace(results_path + ".tmp", results_path)
     print(f"\n{args['name']}: ours {summary['ratio']:.3f}x nanoGPT's time "
           f"({'paired' if summary['paired'] else 'NOT paired: nanoGPT timed earlier'}; "
           f"per pair {', '.join(f'{r:.3f}' for r in ratios)}); nanoGPT {ng_s:.1f} s")
-    print(f"scored on nanoGPT's held-out {len(val_text):,} characters: nanoGPT {target:.4f}, "
+    print(f"scored on nanoGPT's held-out {chars:,} characters: nanoGPT {target:.4f}, "
           f"ours {', '.join(f'{v:.4f}' for v in losses)} (mean {summary['ours_mean']:.4f}, "
           f"{summary['ours_mean'] - target:+.4f}); one-sided p = {summary['p']:.2g}")
+    return summary
 
 
 def last_nanogpt_val(log):
