@@ -13,8 +13,8 @@ batch_size = 32
 dropout = 0.0
 
 optimizer = "muon"
-max_iters = 2000         # recall is learned in a jump, late: tokens count, not only steps
-lr_decay_iters = 2000
+max_iters = 3000         # recall is learned in a jump, late: tokens count, not only steps
+lr_decay_iters = 3000
 muon_lr = 0.03
 learning_rate = 3e-3
 min_lr = 3e-4

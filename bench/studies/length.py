@@ -47,6 +47,12 @@ DESIGNS = {
     "swa": dict(train=["--window=32", "--global_every=2"]),  # layers 0, 2 see 32 tokens; 1, 3 all
     "rnope_swa": dict(train=["--window=32", "--global_every=2", "--nope_every=2"]),  # 1, 3: NoPE
     "drope": dict(recal="rope", train=["--nope_every=1"]),  # RoPE dropped, then recalibrated
+    # combinations: a design's run read with YaRN or the log-length temperature, or both
+    "nope2_yarn": dict(reads="nope2", read={"rope_scaling": "yarn", "rope_factor": "{f}"}),
+    "nope2_logn": dict(reads="nope2", read={"length_temperature": 0.5}),
+    "nope2_yarn_logn": dict(reads="nope2", read={"rope_scaling": "yarn", "rope_factor": "{f}",
+                                                 "length_temperature": 0.5}),
+    "rnope_swa_logn": dict(reads="rnope_swa", read={"length_temperature": 0.5}),
 }
 MULTIPLES = (1, 4, 16)
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -61,7 +67,7 @@ def parse_args(argv):
     p.add_argument("--docs", type=int, default=200000, help="documents, when it is prepared")
     p.add_argument("--designs", default=",".join(DESIGNS), help="names in DESIGNS, commas between")
     p.add_argument("--seeds", type=int, default=5, help="seeds a design (1337, 1338, ...)")
-    p.add_argument("--iters", type=int, default=2000, help="training iterations a run")
+    p.add_argument("--iters", type=int, default=3000, help="training iterations a run")
     p.add_argument("--recal", type=float, default=0.02, help="a recalibration's share of --iters")
     p.add_argument("--samples", type=int, default=20, help="prompts per (length, depth)")
     p.add_argument("--needles", type=int, default=1, help="needles in a prompt (one asked)")
