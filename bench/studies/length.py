@@ -42,10 +42,10 @@ DESIGNS = {
     "rope": dict(train=[]),
     "yarn": dict(reads="rope", read={"rope_scaling": "yarn", "rope_factor": "{f}"}),  # + its gain
     "logn": dict(reads="rope", read={"length_temperature": 0.5}),  # q x 1 + 0.5 ln(n / B)
-    "nope2": dict(train=["--nope_every=2"]),  # layers 1 and 3 rotate nothing
+    "nope2": dict(train=["--nope_every=2"]),  # the second layer (of 2) rotates nothing
     "prope": dict(train=["--rotary_fraction=0.25", "--rope_base=10"]),  # the 4 fastest of 16 pairs
-    "swa": dict(train=["--window=32", "--global_every=2"]),  # layers 0, 2 see 32 tokens; 1, 3 all
-    "rnope_swa": dict(train=["--window=32", "--global_every=2", "--nope_every=2"]),  # 1, 3: NoPE
+    "swa": dict(train=["--window=32", "--global_every=2"]),  # layer 0 sees 32 tokens, layer 1 all
+    "rnope_swa": dict(train=["--window=32", "--global_every=2", "--nope_every=2"]),  # 1: NoPE too
     "drope": dict(recal="rope", train=["--nope_every=1"]),  # RoPE dropped, then recalibrated
     # combinations: a design's run read with YaRN or the log-length temperature, or both
     "nope2_yarn": dict(reads="nope2", read={"rope_scaling": "yarn", "rope_factor": "{f}"}),
@@ -96,7 +96,7 @@ def train_one(args, design, seed):
                            common + d["train"] + [f"--lr_decay_iters={args.iters}",
                                                   f"--warmup_iters={min(30, args.iters)}"],
                            args.iters)
-    iters = max(1, round(args.recal * args.iters))  # from the parent's last rates, no warmup
+    iters = max(1, round(args.recal * args.iters))  # at the parent's final rates, no warmup
     parent = os.path.join(args.out, "runs", f"{d['recal']}_s{seed}")
     return study.train(args.out, f"{design}_s{seed}", common + d["train"] + [
         f"--init_from={parent}", f"--lr_decay_iters={iters}", "--warmup_iters=0",
