@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import study  # noqa: E402  (resumable train.py runs; it puts the repo root on sys.path)
 from study import ROOT  # noqa: E402
 from lab_runs import write_atomic  # noqa: E402
+from stats import interval  # noqa: E402  (the lab's 95% t interval)
 from data.recall.prepare import prompt  # noqa: E402
 from harness.common import UserError, cli  # noqa: E402
 from harness.load import load_run  # noqa: E402
@@ -216,15 +217,6 @@ def evaluate(args, runs):
     return rows
 
 
-def interval(values):
-    """(mean, half-width of the 95% t interval) over seeds; half-width nan for one seed."""
-    from scipy import stats
-    v = np.asarray(values, float)
-    if len(v) < 2:
-        return v.mean(), float("nan")
-    return v.mean(), stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
-
-
 def table(rows, designs):
     """The markdown tables: mean accuracy over seeds per length (a seed's: its mean over
     depths) with its 95% interval and the worst depth at 1x (the task's bar: every depth >=
@@ -246,7 +238,7 @@ def table(rows, designs):
             mean, half = interval(per_seed)
             look = np.mean([r["needle_attention"] for r in mine if r["multiple"] == m])
             summary[d][m] = dict(mean=mean, half=half, seeds=per_seed, needle_attention=look)
-            cells.append(f"{mean:.2f} ± {half:.2f}" if half == half else f"{mean:.2f}")
+            cells.append(f"{mean:.2f}" if half is None else f"{mean:.2f} ± {half:.2f}")
         worst = min(np.mean([r["accuracy"] for r in mine if r["multiple"] == 1 and
                              r["depth"] == dep]) for dep in DEPTHS)
         summary[d]["worst_depth_1x"] = worst
@@ -267,7 +259,7 @@ def plot(summary, path):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for d, cells in summary.items():
         means = [cells[m]["mean"] for m in MULTIPLES]
-        halves = [np.nan_to_num(cells[m]["half"]) for m in MULTIPLES]
+        halves = [cells[m]["half"] or 0 for m in MULTIPLES]
         ax.errorbar(MULTIPLES, means, yerr=halves, marker="o", capsize=3, label=d)
     ax.set_xscale("log", base=2)
     ax.set_xticks(MULTIPLES, [f"{m}x" for m in MULTIPLES])
