@@ -57,6 +57,8 @@ wandb_run_name = "run"
 batch_size = 16              # sequences per micro-step per process
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL processes
 short_iters = 0              # the first this many iterations on half-length windows (OPTIM.md)
+doc_aligned = False          # every window starts at an end-of-document token, so a document's
+                             # start is also a window's, as a prompt's is at inference (CONTEXT.md)
 # model: every field of RoFormerConfig is a key too, at its default (model.py), except:
 vocab_size = 0               # 0: take it from the dataset's meta.json
 # optimizer: AdamW, or Muon (optim.py) for the hidden matrices with AdamW for the rest
@@ -105,10 +107,22 @@ local_steps = gradient_accumulation_steps // world  # micro-steps this process r
 ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
 
 
+doc_starts = {}  # split: where its windows may start under doc_aligned (its eos tokens)
+
+
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
     data = np.memmap(run.splits.files[split], run.meta["dtype"], "r")  # opened at the start
-    ix = rng.integers(0, len(data) - T, size=bs)  # exclusive bound: the last window is data[-T-1:]
+    if not doc_aligned:
+        ix = rng.integers(0, len(data) - T, size=bs)  # exclusive: the last window is data[-T-1:]
+    else:
+        if split not in doc_starts:  # once a split: a scan of its tokens
+            doc_starts[split] = np.flatnonzero(data[:len(data) - T] == run.meta.get("eos_id", -1))
+            if not len(doc_starts[split]):
+                raise UserError(f"doc_aligned=True needs end-of-document tokens, and {ddir}/"
+                                f"{split}.bin has none before its last window: prepare it with "
+                                f"a data/ script that ends its documents, or drop doc_aligned")
+        ix = rng.choice(doc_starts[split], size=bs)
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
         raise UserError(f"{ddir}/{split}.bin holds token id {windows.max()}, but the model's "

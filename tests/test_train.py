@@ -404,6 +404,52 @@ def test_short_iters_draw_half_windows_first_and_resume_exactly(data, tmp_path):
     assert max_diff(load(a)["model"], load(b)["model"]) < 1e-6
 
 
+def test_doc_aligned_windows_start_at_an_end_of_document_and_resume_exactly(data, tmp_path):
+    """--doc_aligned=True: every training window's first token is the dataset's eos_id (the
+    tiny stream counts mod V, so eos_id 0 recurs, with noise tokens besides), where plain
+    windows start anywhere; a run stopped and resumed ends where an unbroken one does.
+    Reference: the token ids the embedding saw in training (a sitecustomize hook)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, torch\n"
+        "_forward = torch.nn.Embedding.forward\n"
+        "def forward(self, idx):\n"
+        "    if self.training:\n"
+        "        with open(os.environ['FIRSTS'], 'a') as f:\n"
+        "            f.write(' '.join(map(str, idx[:, 0].tolist())) + '\\n')\n"
+        "    return _forward(self, idx)\n"
+        "torch.nn.Embedding.forward = forward\n")
+    common = [f"--data_dir={data}", *TINY, "--dtype=float32", "--eval_interval=100"]
+    firsts = {}
+    for aligned in (True, False):
+        path = tmp_path / f"firsts{aligned}.txt"
+        train(*common, f"--out_dir={tmp_path / str(aligned)}", "--max_iters=6",
+              f"--doc_aligned={aligned}", PYTHONPATH=str(site), FIRSTS=str(path))
+        firsts[aligned] = [int(t) for t in path.read_text().split()]
+    assert len(firsts[True]) == 6 * 4 and set(firsts[True]) == {0}
+    assert len(set(firsts[False])) > 1
+    a, b = str(tmp_path / "True"), str(tmp_path / "b")
+    train(*common, f"--out_dir={b}", "--max_iters=3", "--doc_aligned=True")
+    train(*common, f"--out_dir={b}", "--max_iters=6", "--doc_aligned=True", "--init_from=resume")
+    assert max_diff(load(a)["model"], load(b)["model"]) < 1e-6
+
+
+def test_doc_aligned_without_end_of_document_tokens_is_one_line(tmp_path):
+    """A stream with no eos_id token has nowhere for an aligned window to start."""
+    d = tmp_path / "noeos"
+    d.mkdir()
+    for split in ("train", "val"):
+        (np.arange(2000) % (V - 1) + 1).astype(np.uint16).tofile(d / f"{split}.bin")
+    (d / "meta.json").write_text(json.dumps({"name": "noeos", "vocab_size": V, "dtype": "uint16",
+                                             "eos_id": 0, "bos_id": 1}))
+    r = train_here(f"--data_dir={d}", f"--out_dir={tmp_path / 'out'}", *TINY, "--max_iters=2",
+                   "--doc_aligned=True")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: doc_aligned=True needs end-of-document tokens"), r.stderr
+
+
 def test_resume_runs_this_commands_settings_and_records_what_ran(data, tmp_path):
     """Resuming with other optimizer settings must run them: load_state_dict used to bring
     back the checkpoint's weight_decay and betas while the new checkpoint's config claimed the
