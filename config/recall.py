@@ -10,11 +10,13 @@ n_head = 4
 n_embd = 128
 block_size = 128
 batch_size = 32
+doc_aligned = True       # windows start at a document, as the study's prompts do: without it
+                         # a needle at a prompt's very start (depth 0) is read worst (LOG.md)
 dropout = 0.0
 
 optimizer = "muon"
-max_iters = 3000         # recall is learned in a jump, late: tokens count, not only steps
-lr_decay_iters = 3000
+max_iters = 4000         # recall is learned in a jump, late and at a seed's own iteration
+lr_decay_iters = 4000
 muon_lr = 0.03
 learning_rate = 3e-3
 min_lr = 3e-4

@@ -43,6 +43,8 @@ DESIGNS = {
     "rope": dict(train=[]),
     "yarn": dict(reads="rope", read={"rope_scaling": "yarn", "rope_factor": "{f}"}),  # + its gain
     "logn": dict(reads="rope", read={"length_temperature": 0.5}),  # q x 1 + 0.5 ln(n / B)
+    "yarn_logn": dict(reads="rope", read={"rope_scaling": "yarn", "rope_factor": "{f}",
+                                          "length_temperature": 0.5}),
     "nope2": dict(train=["--nope_every=2"]),  # the second layer (of 2) rotates nothing
     "prope": dict(train=["--rotary_fraction=0.25", "--rope_base=10"]),  # the 4 fastest of 16 pairs
     "swa": dict(train=["--window=32", "--global_every=2"]),  # layer 0 sees 32 tokens, layer 1 all
@@ -68,7 +70,7 @@ def parse_args(argv):
     p.add_argument("--docs", type=int, default=200000, help="documents, when it is prepared")
     p.add_argument("--designs", default=",".join(DESIGNS), help="names in DESIGNS, commas between")
     p.add_argument("--seeds", type=int, default=5, help="seeds a design (1337, 1338, ...)")
-    p.add_argument("--iters", type=int, default=3000, help="training iterations a run")
+    p.add_argument("--iters", type=int, default=4000, help="training iterations a run")
     p.add_argument("--recal", type=float, default=0.02, help="a recalibration's share of --iters")
     p.add_argument("--samples", type=int, default=20, help="prompts per (length, depth)")
     p.add_argument("--needles", type=int, default=1, help="needles in a prompt (one asked)")
