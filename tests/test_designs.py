@@ -113,6 +113,22 @@ def test_a_failed_script_is_one_line_with_its_reason(tmp_path):
         designs.sh(["train.py", "--no_such_key=1"], str(tmp_path / "bad.log"))
 
 
+def test_a_scripts_output_reaches_its_log_while_it_runs(tmp_path):
+    """A long run's progress can be watched: the script sees its own first line in the log
+    before it prints the second (it waits up to 20 s; collected at the end, the log would hold
+    nothing yet), and sh returns stdout's lines, stderr's kept out of them."""
+    log = tmp_path / "live.log"
+    script = ("import sys, time\n"
+              "print('first', flush=True)\n"
+              "print('to stderr', file=sys.stderr, flush=True)\n"
+              "end = time.time() + 20\n"
+              f"while 'first' not in open({str(log)!r}).read() and time.time() < end:\n"
+              "    time.sleep(0.05)\n"
+              f"print('seen' if 'first' in open({str(log)!r}).read() else 'not yet')\n")
+    assert designs.sh(["-c", script], str(log)) == ["first", "seen"]
+    assert set(log.read_text().splitlines()) == {"first", "to stderr", "seen"}
+
+
 def test_within_noise_reads_compare_results(tmp_path):
     """A design is within the noise floor where its Δ bits/byte against the reference is at
     most the far end of the reference-against-itself interval; the reference's arm names are

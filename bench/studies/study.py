@@ -22,19 +22,24 @@ ECHO = print  # how a command is shown (bench/studies/designs.py: above its prog
 
 def sh(cmd, log):
     """Run one of the repo's scripts (a list of arguments) from the repo root, its output to
-    `log`; returns stdout's lines. A failure stops the study naming the log."""
+    `log` as it comes; returns stdout's lines. A failure stops the study naming the log."""
     os.makedirs(os.path.dirname(log), exist_ok=True)
     ECHO("$ " + " ".join(cmd))
     with open(log, "w") as f:
-        r = subprocess.run([sys.executable] + cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f,
-                           text=True)
-        f.write(r.stdout)
+        r = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=f,
+                             text=True)
+        lines = []
+        for line in r.stdout:  # into the log as it comes: a long run's progress can be watched
+            lines.append(line.rstrip("\n"))
+            f.write(line)
+            f.flush()
+        r.wait()
     if r.returncode:  # the script's own `error: ...` line, where it printed one, says why
         with open(log) as f:
             said = [ln[len("error: "):] for ln in f.read().splitlines() if ln.startswith("error: ")]
         raise UserError(f"{cmd[0]} failed (exit {r.returncode}"
                         f"{': ' + said[-1] if said else ''}): see {log}")
-    return r.stdout.splitlines()
+    return lines
 
 
 def run_minutes(run_dir):
