@@ -107,7 +107,7 @@ def test_mistakes_are_one_line(tmp_path):
 def test_the_teacher_forced_score_is_greedy_decodings(tmp_path):
     """accuracy() reads one uncached forward; eval.py's greedy() decodes with the KV cache,
     one token at a time. A prompt whose answer is what greedy decodes scores 1, and 0 with
-    one answer token changed."""
+    one answer token changed; per_digit() then loses that digit alone."""
     from eval import greedy
     from model import RoFormer, RoFormerConfig
     length = load_length()
@@ -125,6 +125,8 @@ def test_the_teacher_forced_score_is_greedy_decodings(tmp_path):
     wrong = answers.clone()
     wrong[:, 2] = (wrong[:, 2] + 1) % 40
     assert length.accuracy(model, {0.5: (ids, 4, wrong)}, batch=2)[0.5][0] == 0.0
+    assert length.per_digit(model, {0.5: (ids, 4, answers)}, batch=2) == [1.0] * 4
+    assert length.per_digit(model, {0.5: (ids, 4, wrong)}, batch=2) == [1.0, 1.0, 0.0, 1.0]
 
 
 @pytest.mark.parametrize("design", [{}, {"window": 8, "global_every": 2}])
@@ -172,3 +174,7 @@ def test_the_study_runs_end_to_end_and_resumes(tmp_path):
     assert (out / "tables.md").read_text().startswith("| design |")
     again = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert again.returncode == 0 and "$ train.py" not in again.stdout  # every run reused
+    digits = subprocess.run(argv + ["--collect", "--digits=4"], capture_output=True, text=True,
+                            cwd=REPO, timeout=300)
+    rows = [ln.split(" | ") for ln in digits.stdout.splitlines() if ln.startswith("| yarn |")]
+    assert digits.returncode == 0 and len(rows) == 1 and len(rows[0]) == 6, digits.stdout

@@ -6,6 +6,7 @@ holds the table it writes and what it found.
     python bench/studies/length.py                                # everything (resumable)
     python bench/studies/length.py --seeds=1 --designs=rope,nope2  # a part; finished runs reused
     python bench/studies/length.py --collect                       # the table from what is done
+    python bench/studies/length.py --collect --designs=yarn --digits=4  # each answer digit at 4x
 
 A design trains (`train`: flags to train.py), or recalibrates another design's run (`recal`:
 train.py --init_from for --recal of its iterations), or only reads another's run (`reads`);
@@ -76,6 +77,8 @@ def parse_args(argv):
     p.add_argument("--needles", type=int, default=1, help="needles in a prompt (one asked)")
     p.add_argument("--jobs", type=int, default=2, help="training runs at once, 1 thread each")
     p.add_argument("--collect", action="store_true", help="train nothing: report what is done")
+    p.add_argument("--digits", type=int, default=0, metavar="M",
+                   help="only print each finished run's accuracy per answer digit at M x B")
     args = p.parse_args(argv)
     args.designs = args.designs.split(",")
     unknown = [d for d in args.designs if d not in DESIGNS]
@@ -159,6 +162,34 @@ def explicit_attention(kept, query):
         kept.append(w[torch.arange(len(w)), :, query])  # (rows, heads, keys)
         return (w @ v.float()).to(v.dtype)
     return sdpa
+
+
+@torch.no_grad()
+def per_digit(model, grid, batch):
+    """Each answer digit's share of argmax hits over every prompt of the grid: where a reading
+    that finds the needle (its attention) still loses the answer."""
+    hits = []
+    for ids, n, answers in grid.values():
+        for i in range(0, len(ids), batch):
+            logits, _ = model(ids[i:i + batch, :-1])
+            hits.append((logits[:, -n:].argmax(-1) == answers[i:i + batch]).float())
+    return torch.cat(hits).mean(0).tolist()
+
+
+def digits_table(args, runs, multiple):
+    """The markdown table of per_digit at `multiple` x B, a row per design and seed."""
+    lines = [f"| design | seed | digit 1 | 2 | 3 | 4 (at {multiple}x) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for design in args.designs:
+        for seed, run_dir in sorted(runs[design].items()):
+            if run_dir:
+                model, sp, ckpt = read_run(run_dir, design, multiple)
+                grid = prompts(sp, multiple, ckpt["model_args"]["block_size"], args.samples,
+                               args.needles)
+                hits = per_digit(model, grid, max(1, 64 // multiple))
+                lines.append(f"| {design} | {seed} | " + " | ".join(f"{h:.2f}" for h in hits)
+                             + " |")
+    return "\n".join(lines)
 
 
 @torch.no_grad()
@@ -277,6 +308,8 @@ def main(argv):
     args = parse_args(argv)
     seeds = [1337 + i for i in range(args.seeds)]
     runs = train_all(args, seeds)
+    if args.digits:
+        return print(digits_table(args, runs, args.digits))
     rows = evaluate(args, runs)
     os.makedirs(args.out, exist_ok=True)
     text, summary = table(rows, args.designs)
