@@ -32,6 +32,7 @@ import torch
 from harness import checkpoint, common, mfu, progress_waits, run_log, start, stops
 from harness.build import build_model
 from harness.common import UserError
+from harness.dataset import doc_starts
 from harness.flags import configure
 from harness.progress_loop import Progress
 import optim
@@ -57,8 +58,7 @@ wandb_run_name = "run"
 batch_size = 16              # sequences per micro-step per process
 gradient_accumulation_steps = 1  # micro-steps per optimizer step, over ALL processes
 short_iters = 0              # the first this many iterations on half-length windows (OPTIM.md)
-doc_aligned = False          # every window starts at an end-of-document token, so a document's
-                             # start is also a window's, as a prompt's is at inference (CONTEXT.md)
+doc_aligned = False          # windows start at an end-of-document token, as prompts do (CONTEXT.md)
 # model: every field of RoFormerConfig is a key too, at its default (model.py), except:
 vocab_size = 0               # 0: take it from the dataset's meta.json
 # optimizer: AdamW, or Muon (optim.py) for the hidden matrices with AdamW for the rest
@@ -107,22 +107,15 @@ local_steps = gradient_accumulation_steps // world  # micro-steps this process r
 ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "log.jsonl")
 
 
-doc_starts = {}  # split: where its windows may start under doc_aligned (its eos tokens)
-
-
 def get_batch(split, rng, bs, T):
     """bs random windows of T+1 tokens picked by `rng`: inputs their first T, targets last T."""
     data = np.memmap(run.splits.files[split], run.meta["dtype"], "r")  # opened at the start
-    if not doc_aligned:
-        ix = rng.integers(0, len(data) - T, size=bs)  # exclusive: the last window is data[-T-1:]
+    if doc_aligned:  # from the split's eos positions, found once (harness/dataset.py)
+        starts = doc_starts(run.splits.files[split], run.meta["dtype"],
+                            run.meta.get("eos_id", -1), T)
+        ix = rng.choice(starts, size=bs)
     else:
-        if split not in doc_starts:  # once a split: a scan of its tokens
-            doc_starts[split] = np.flatnonzero(data[:len(data) - T] == run.meta.get("eos_id", -1))
-            if not len(doc_starts[split]):
-                raise UserError(f"doc_aligned=True needs end-of-document tokens, and {ddir}/"
-                                f"{split}.bin has none before its last window: prepare it with "
-                                f"a data/ script that ends its documents, or drop doc_aligned")
-        ix = rng.choice(doc_starts[split], size=bs)
+        ix = rng.integers(0, len(data) - T, size=bs)  # exclusive: the last window is data[-T-1:]
     windows = data[ix[:, None] + np.arange(T + 1)]
     if windows.max() >= mconf.vocab_size:  # on the host, before the embedding would fail
         raise UserError(f"{ddir}/{split}.bin holds token id {windows.max()}, but the model's "

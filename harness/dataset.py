@@ -2,6 +2,7 @@
 a split, so every reader gets the same checks and a mistake is a UserError naming the file
 (train.py's get_batch maps the files `Splits` opened at the start, once checked here).
 Building one is data/'s job; a missing one is refused with the command that builds it."""
+import functools
 import json
 import os
 import shlex
@@ -144,6 +145,19 @@ class Splits:
                 self.noted = True
                 say(f"note: {self.ddir} was prepared again (or moved) while this run trains; it "
                     f"goes on with the data it started with, whose files it holds open")
+
+
+@functools.lru_cache(maxsize=None)
+def doc_starts(path, dtype, eos_id, T):
+    """Where train.py's windows of T+1 tokens may start under doc_aligned: the positions of
+    the split's end-of-document tokens, found by one scan, once a split."""
+    data = np.memmap(path, dtype, "r")
+    starts = np.flatnonzero(data[:len(data) - T] == eos_id)
+    if not len(starts):
+        raise UserError(f"doc_aligned=True needs end-of-document tokens, and {path} has none "
+                        f"before its last window: prepare it with a data/ script that ends its "
+                        f"documents, or drop doc_aligned")
+    return starts
 
 
 def stamp(st):

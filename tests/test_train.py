@@ -376,11 +376,9 @@ def test_flash_attention_is_off_only_for_short_bf16_windows_on_a_cpu(data, tmp_p
                     ("float32", 32): "flash True"}
 
 
-def test_short_iters_draw_half_windows_first_and_resume_exactly(data, tmp_path):
-    """--short_iters=N: the first N iterations draw windows of block_size // 2 tokens (as many
-    windows), the rest full ones; tokens are counted as drawn (log.jsonl), and a run stopped
-    before the switch and resumed after it ends where an unbroken one does. Reference: the token
-    ids' shapes the embedding saw in training (a sitecustomize hook), and the count by hand."""
+def embedding_hook(tmp_path, env_var, text):
+    """A sitecustomize folder (for PYTHONPATH) whose hook appends `text`, an expression of the
+    token ids `idx`, to the file named by $env_var at every training forward's embedding."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
@@ -388,10 +386,19 @@ def test_short_iters_draw_half_windows_first_and_resume_exactly(data, tmp_path):
         "_forward = torch.nn.Embedding.forward\n"
         "def forward(self, idx):\n"
         "    if self.training:\n"
-        "        with open(os.environ['SHAPES'], 'a') as f:\n"
-        "            f.write(f'{tuple(idx.shape)}\\n')\n"
+        f"        with open(os.environ['{env_var}'], 'a') as f:\n"
+        f"            f.write({text})\n"
         "    return _forward(self, idx)\n"
         "torch.nn.Embedding.forward = forward\n")
+    return site
+
+
+def test_short_iters_draw_half_windows_first_and_resume_exactly(data, tmp_path):
+    """--short_iters=N: the first N iterations draw windows of block_size // 2 tokens (as many
+    windows), the rest full ones; tokens are counted as drawn (log.jsonl), and a run stopped
+    before the switch and resumed after it ends where an unbroken one does. Reference: the token
+    ids' shapes the embedding saw in training (a sitecustomize hook), and the count by hand."""
+    site = embedding_hook(tmp_path, "SHAPES", "f'{tuple(idx.shape)}\\n'")
     common = [f"--data_dir={data}", *TINY, "--dtype=float32", "--short_iters=3",
               "--eval_interval=100"]
     a, b, shapes = str(tmp_path / "a"), str(tmp_path / "b"), tmp_path / "shapes.txt"
@@ -409,17 +416,7 @@ def test_doc_aligned_windows_start_at_an_end_of_document_and_resume_exactly(data
     tiny stream counts mod V, so eos_id 0 recurs, with noise tokens besides), where plain
     windows start anywhere; a run stopped and resumed ends where an unbroken one does.
     Reference: the token ids the embedding saw in training (a sitecustomize hook)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import os, torch\n"
-        "_forward = torch.nn.Embedding.forward\n"
-        "def forward(self, idx):\n"
-        "    if self.training:\n"
-        "        with open(os.environ['FIRSTS'], 'a') as f:\n"
-        "            f.write(' '.join(map(str, idx[:, 0].tolist())) + '\\n')\n"
-        "    return _forward(self, idx)\n"
-        "torch.nn.Embedding.forward = forward\n")
+    site = embedding_hook(tmp_path, "FIRSTS", "' '.join(map(str, idx[:, 0].tolist())) + '\\n'")
     common = [f"--data_dir={data}", *TINY, "--dtype=float32", "--eval_interval=100"]
     firsts = {}
     for aligned in (True, False):
