@@ -1,10 +1,11 @@
 """The position-encoding baselines RoPE is measured against (pos_encoding "learned",
 "sinusoidal", "none", and the relative biases "shaw", "t5", "alibi"), beside model.py at the
 bottom of the layering: it imports nothing of the project. RoFormerConfig calls check when
-pos_encoding is not "rope", and the model reaches it through three hooks: add_tables
-(construction: the learned tables, registered where checkpoints have always had them),
-position_embedding (added to the token embeddings) and position_bias (added to the attention
-scores). Otherwise the model runs the same code path, so comparisons are fair."""
+pos_encoding is not "rope", and the model reaches it through two hooks: add_tables
+(construction: the learned tables, registered where checkpoints have always had them) and
+positions (each forward: the vectors added to the token embeddings, or the bias added to the
+attention scores). Otherwise the model runs the same code path (its layers turn nothing), so
+comparisons are fair."""
 import math
 
 import torch
@@ -27,17 +28,30 @@ def check(cfg):
             raise ValueError(why)
 
 
-def add_tables(owner, cfg, scope):
-    """Construction hook: a baseline's learned tables on `owner`, None where it has none.
-    scope "model" (RoFormer): wpe, learned absolute positions; rel_bias, T5's one scalar per
-    (bucket, head), shared by all layers as in T5. scope "attention": rel_k, Shaw's key-side
-    distance embeddings, one table per layer."""
+def add_tables(model, cfg):
+    """Construction hook: a baseline's learned tables on the RoFormer `model`, in the places
+    its constructor keeps for them (None where it has none): wpe, learned absolute positions;
+    rel_bias, T5's one scalar per (bucket, head), shared by all layers as in T5; and each
+    layer's rel_k, Shaw's key-side distance embeddings."""
     pe = cfg.pos_encoding
-    if scope == "model":
-        owner.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if pe == "learned" else None
-        owner.rel_bias = nn.Embedding(cfg.t5_buckets, cfg.n_head) if pe == "t5" else None
-    else:
-        owner.rel_k = ShawKeys(cfg.rel_clip + 1, cfg.n_embd // cfg.n_head) if pe == "shaw" else None
+    model.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if pe == "learned" else None
+    model.rel_bias = nn.Embedding(cfg.t5_buckets, cfg.n_head) if pe == "t5" else None
+    if pe == "shaw":
+        for block in model.blocks:
+            block.attn.rel_k = ShawKeys(cfg.rel_clip + 1, cfg.n_embd // cfg.n_head)
+
+
+def positions(model, x, where):
+    """Forward hook (RoFormer.designs): the token embeddings x and the forward's Positions
+    `where`, with what the baseline adds: its vectors to x (learned, sinusoidal), or its bias to
+    the attention scores (shaw, t5, alibi: position_bias, built in float32 and handed to SDPA in
+    the weights' dtype; under autocast SDPA casts its mask itself); "none" adds nothing."""
+    pe, dtype = model.config.pos_encoding, model.wte.weight.dtype
+    if pe in ("learned", "sinusoidal"):
+        return position_embedding(model, x, where.pos), where
+    if pe == "none":
+        return x, where
+    return x, where._replace(bias=lambda visible, d: position_bias(model, d, visible).to(dtype))
 
 
 # Absolute baselines: a vector per position, added to the token embeddings.
@@ -52,17 +66,13 @@ def sinusoidal_embedding(pos, dim):
 
 
 def position_embedding(model, x, pos):
-    """Position hook 1 of 2 (RoFormer.position_embedding): the token embeddings x plus learned
-    rows of model.wpe, or plus the sinusoidal table (model.sin_emb, a float32 buffer that
-    RoFormer.hold_positions builds with sinusoidal_embedding and grows, position p in row p % L),
-    at positions pos; x as it is for the encodings that add nothing. Learned positions past
-    block_size are refused before any layer runs (RoFormer.hold_positions)."""
-    c = model.config
-    if c.pos_encoding == "learned":
+    """The absolute baselines: the token embeddings x plus learned rows of model.wpe, or plus
+    the sinusoidal table (model.sin_emb, a float32 buffer that RoFormer.hold_positions builds
+    with sinusoidal_embedding and grows, position p in row p % L), at positions pos. Learned
+    positions past block_size are refused before any layer runs (RoFormer.hold_positions)."""
+    if model.config.pos_encoding == "learned":
         return x + model.wpe(pos)
-    if c.pos_encoding == "sinusoidal":
-        return x + model.sin_emb[pos % model.sin_emb.size(0)].to(model.wte.weight.dtype)
-    return x
+    return x + model.sin_emb[pos % model.sin_emb.size(0)].to(model.wte.weight.dtype)
 
 
 # Relative baselines: distances d = i - j (query minus key position) -> a bias on the scores.
@@ -77,12 +87,12 @@ def shaw_bias(q, table, d):
 
 
 class ShawKeys(nn.Embedding):
-    """A layer's Shaw table (Attention.rel_k): called on the queries and the distances, it
-    gives the one score term that depends on the query, so it cannot be shared by the layers
-    like the bias of position_bias (whose zeros it is added to)."""
+    """A layer's Shaw table (Attention.rel_k): called on the scores' mask, the queries and the
+    distances, it adds the one score term that depends on the query, so it cannot be shared by
+    the layers like the bias of position_bias (whose zeros it is added to), in q's dtype."""
 
-    def forward(self, q, d):
-        return shaw_bias(q, self.weight, d)
+    def forward(self, mask, q, d):
+        return mask + shaw_bias(q, self.weight, d).to(q.dtype)  # shaw_bias: float32
 
 
 def t5_bucket(d, num_buckets=32, max_distance=128):
@@ -103,8 +113,8 @@ def alibi_slopes(n_head):
 
 
 def position_bias(model, d, visible):
-    """Position hook 2 of 2 (RoFormer.position_bias) for shaw, t5 and alibi: the float32 bias
-    on the scores of distances d (Lq, Lk), (H or 1, Lq, Lk), -inf where not `visible`."""
+    """The relative baselines (shaw, t5, alibi; through positions): the float32 bias on the
+    scores of distances d (Lq, Lk), (H or 1, Lq, Lk), -inf where not `visible`."""
     c = model.config
     if c.pos_encoding == "t5":  # (Lq, Lk, H) -> (H, Lq, Lk)
         bias = model.rel_bias(t5_bucket(d, c.t5_buckets, c.t5_max_distance)).permute(2, 0, 1)

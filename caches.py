@@ -1,8 +1,17 @@
 """The decoding caches, one entry per layer: a softmax layer's keys and values (KVCache), a
-linear layer's recurrent state (RecurrentState). RoFormer.new_cache makes one, decode.py
-passes it to each forward, and each layer updates its own entry with one call. Beside
-model.py, imports torch only."""
+linear layer's recurrent state (RecurrentState). new_cache (RoFormer.new_cache) makes one,
+decode.py passes it to each forward, and each layer updates its own entry with one call.
+Beside model.py, imports torch only."""
 import torch
+
+
+def new_cache(model, total_len, device, window=None):
+    """The cache a decode of total_len positions needs; window: how far back a query sees
+    (None: the context window). A local layer keeps only its own window's keys."""
+    c, w = model.config, window or model.config.context_window
+    windows = {i: b.attn.window or w for i, b in enumerate(model.blocks)}  # 0: global, all w
+    return (RecurrentState(c.n_layer) if c.attention == "linear" else
+            KVCache(c.n_layer, min(total_len, w), w, device, windows))
 
 
 class KVCache:

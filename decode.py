@@ -11,6 +11,7 @@ import sys
 import torch
 
 from caches import RecurrentState
+from model_checks import positions_error
 
 
 def check_sampling(temperature=1.0, top_k=None, top_p=None, vocab_limit=None):
@@ -60,7 +61,7 @@ def check_request(model, idx, max_new_tokens, use_cache, compile):
     if compile and not use_cache:
         raise ValueError("compile=True compiles the cached decode step; it needs use_cache=True")
     # the last sampled token is never fed back, so its position needs no embedding
-    why = use_cache and model.config.positions_error(idx.size(1) + max_new_tokens - 1)
+    why = use_cache and positions_error(model.config, idx.size(1) + max_new_tokens - 1)
     if why:
         raise ValueError(f"{why}; a {idx.size(1)}-token prompt and {max_new_tokens} new tokens "
                          f"need use_cache=False")

@@ -35,6 +35,7 @@ from harness.device import device_memory, pick_device
 from harness.flags import configure
 from harness.load import dataset_dir, describe, load_run
 from harness.run_tokenizer import folder_read
+from model_checks import positions_error
 
 # -----------------------------------------------------------------------------------------
 out_dir = "out"
@@ -169,7 +170,7 @@ def check_lengths(model, cfg, lengths):
     if cfg["stride"] > min(lengths):
         raise UserError(f"stride {cfg['stride']} is larger than the window {min(lengths)}: "
                         f"tokens would be skipped")
-    if why := c.positions_error(max(lengths) + cfg["passkey"] * ANSWER):
+    if why := positions_error(c, max(lengths) + cfg["passkey"] * ANSWER):
         raise UserError(f"{why}: no length past it")
     if cfg["window_mode"] == "local" and c.attention == "linear":
         raise UserError("window_mode=local bands softmax attention; linear attention keeps "

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model_checks import RELATIVE, check_config, tied_head_check  # the config's rules
+from model_checks import check_config, require_positions, tied_head_check  # config's rules
 
 
 def baselines():  # baselines.py: loaded only by a model whose pos_encoding is not "rope"
@@ -65,11 +65,6 @@ class RoFormerConfig:
     @property
     def rotary_dim(self):  # the channels of each head that RoPE rotates (checked: even)
         return int(self.n_embd // self.n_head * self.rotary_fraction)
-
-    def positions_error(self, n):  # the one line saying why n positions cannot run, else None
-        if self.pos_encoding == "learned" and n > self.block_size:  # the end of wpe's rows
-            return f"learned positions end at block_size={self.block_size}: position {n - 1} " \
-                "cannot run"
 
     def __post_init__(self):
         check_config(self)  # model_checks.py: every rule, one line per mistake
@@ -173,29 +168,21 @@ def linear_attention(q, k, v, cos=None, sin=None, feature_map="elu", chunk=64, s
 
 
 # 4. The transformer
-class Positions(NamedTuple):  # one forward's positions: each table its layers read, built once
-    pos: torch.Tensor                      # the queries' absolute positions, (T,)
-    rope: Optional[tuple] = None           # (cos, sin) at pos, RoPE only
-    bias: Optional[Callable] = None        # (distance, visible) -> scores' bias; relative only
-    own: Optional[dict] = None             # {window: scores(pos, window)}: uncached, the chunk's
-    local_rope: Optional[tuple] = None     # (cos, sin) of local layers: rope's, or their base's
-    no_rope: None = None                   # what a NoPE layer turns by: nothing
-    q_scale: Optional[torch.Tensor] = None  # (T, 1) length temperature of each query
-    first_v: Optional[list] = None         # value residual: [layer 0's values], once it ran
-
-    def scores(self, key_pos, visible=None, window=0):
-        """-> SDPA's mask for keys at key_pos (None: plain causal; bool, or a float bias, -inf
-        where hidden) and the distances. visible: the cache's, else causal (and inside window)."""
-        if visible is None and self.bias is None and not window:
-            return None, None
-        distance = self.pos[:, None] - key_pos[None, :]
-        if visible is None:  # the chunk's own keys; window 0: all of them
-            visible = (distance >= 0) & (distance < (window or len(key_pos)))
-        return (visible if self.bias is None else self.bias(distance, visible)), distance
-
-
-def as_is(x):  # where an option is off: its step leaves x as it is
+def as_is(x, *_):  # where an option is off: its step leaves x (its first input) as it is
     return x
+
+
+class Positions(NamedTuple):  # one forward's positions: each table its layers read, built once
+    pos: torch.Tensor                  # the queries' absolute positions, (T,)
+    rope: dict                         # a layer's window -> its (cos, sin) at pos; None: None
+    bias: Callable = as_is             # (visible, distance) -> SDPA's mask: a baseline's bias
+    scale_q: Callable = as_is          # the length temperature, where set
+    own: Optional[dict] = None         # uncached: {window: (mask, distance)} of the chunk's keys
+    first_v: Optional[list] = None     # value residual: [layer 0's values], once it ran
+
+    def scores(self, key_pos, visible):  # -> SDPA's mask for keys at key_pos, the distances
+        distance = self.pos[:, None] - key_pos[None, :]
+        return self.bias(visible, distance), distance
 
 
 class Attention(nn.Module):  # options decided once, here: a call reads as the paper's attention
@@ -204,10 +191,9 @@ class Attention(nn.Module):  # options decided once, here: a call reads as the p
         self.cfg, self.layer = cfg, layer  # layer: its index in the caches
         self.v_mix = nn.Parameter(torch.ones(1)) if cfg.value_residual and layer else None
         kth = lambda k: k > 0 and (layer + 1) % k == 0  # noqa: E731 (layers k-1, 2k-1, ..)
-        self.rotates = not kth(cfg.nope_every)  # NoPE layers: no rotation at all
+        self.rotates = cfg.pos_encoding == "rope" and not kth(cfg.nope_every)  # NoPE: no turn
         self.window = 0 if kth(cfg.global_every) else cfg.window  # 0: the whole context
-        # the Positions table this layer turns q and k by (NoPE: none; local layers: theirs)
-        self.rope_key = ("local_rope" if self.window else "rope") if self.rotates else "no_rope"
+        self.rope_key = self.window if self.rotates else None  # its table in Positions.rope
         self.n_head, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
         head = (self.head_dim,)  # Persimmon's QK-norm (no gain); eq. 19's per-head output norm
         self.qk_norm = partial(F.layer_norm, normalized_shape=head) if cfg.qk_norm else as_is
@@ -215,9 +201,7 @@ class Attention(nn.Module):  # options decided once, here: a call reads as the p
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.rel_k = None  # shaw's table in this layer (baselines.add_tables)
-        if cfg.pos_encoding != "rope":
-            baselines().add_tables(self, cfg, "attention")
+        self.rel_k = as_is  # shaw: this layer's table of query terms (baselines.add_tables)
 
     def forward(self, x, positions, cache=None):
         B, T, _ = x.shape
@@ -227,20 +211,17 @@ class Attention(nn.Module):  # options decided once, here: a call reads as the p
 
     def softmax(self, qkv, positions, cache):
         qk, v = qkv.split((2, 1))  # not qkv[:2]: a split's backward is one concatenation
-        qk, rope = self.qk_norm(qk), getattr(positions, self.rope_key)
+        qk, rope = self.qk_norm(qk), positions.rope[self.rope_key]
         q, k = apply_rope(qk, *rope, self.cfg.rope_pairs) if rope else qk  # v: not rotated
-        v = v.squeeze(0)
+        q, v = positions.scale_q(q), v.squeeze(0)
         if self.cfg.value_residual:  # layer 0 lends its values, later layers mix them in
             v = self.mix_values(v, positions.first_v)
-        if positions.q_scale is not None:  # length temperature: float32 scale, q's dtype after
-            q = (q * positions.q_scale).to(k.dtype)
         if cache is None:  # the chunk's own keys: one mask per window, built once (designs)
             mask, distance = positions.own[self.window]
         else:
             k, v, key_pos, visible = cache.update(self.layer, k, v, positions.pos)
             mask, distance = positions.scores(key_pos, visible)
-        if self.rel_k is not None:  # shaw: the one score term that depends on the query
-            mask = mask + self.rel_k(q, distance).to(q.dtype)  # shaw_bias: float32
+        mask = self.rel_k(mask, q, distance)  # shaw adds the one term that depends on q
         return F.scaled_dot_product_attention(  # no mask and no cache: plain causal
             q, k, v, attn_mask=mask, is_causal=mask is None and cache is None,
             dropout_p=self.cfg.dropout * self.training)  # a bool: dropout in training only
@@ -255,9 +236,9 @@ class Attention(nn.Module):  # options decided once, here: a call reads as the p
         q, k, v = qkv
         state = None if cache is None else cache.state[self.layer]
         with torch.autocast(q.device.type, enabled=False):  # the sums must be float32
-            y, (S, z) = linear_attention(q, k, v, *(getattr(positions, self.rope_key) or (None,
-                                         None)), self.cfg.feature_map, self.cfg.linear_chunk,
-                                         state, pairs=self.cfg.rope_pairs)
+            y, (S, z) = linear_attention(q, k, v, *(positions.rope[self.rope_key] or (None, None)),
+                                         self.cfg.feature_map, self.cfg.linear_chunk, state,
+                                         pairs=self.cfg.rope_pairs)
             y = self.out_norm(y)
         if cache is not None:
             cache.update(self.layer, S, z)
@@ -286,21 +267,24 @@ class RoFormer(nn.Module):
         seed = int(torch.randint(2 ** 62, (), device="cpu")) if seed is None else seed
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = self.rel_bias = None  # the learned and t5 tables, where checkpoints have them
-        if cfg.pos_encoding != "rope":
-            baselines().add_tables(self, cfg, "model")
+        for name in ("wpe", "rel_bias"):  # the learned and t5 tables' place in checkpoints
+            self.register_module(name, None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        if cfg.pos_encoding != "rope":  # a baseline's tables: here, and each layer's (shaw)
+            baselines().add_tables(self, cfg)
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
             self._register_load_state_dict_pre_hook(tied_head_check)
-        # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints
+        # Fixed float32 tables (RoPE, sinusoidal), grown on demand, not in checkpoints; on the
+        # CPU even under device("meta") (harness/build.py keeps them); where a model has none,
+        # one row of zero columns
         for name in ("rope_cos", "rope_sin", "sin_emb"):
-            self.register_buffer(name, torch.empty(0), persistent=False)
+            self.register_buffer(name, torch.empty(1, 0, device="cpu"), persistent=False)
         self.table_start = 0  # the tables hold positions table_start.. (hold_positions)
-        self.hold_positions(0, cfg.block_size, "cpu")  # not the window: a forward grows them
+        self.hold_positions(0, cfg.block_size)  # not the window: a forward grows them
         if not self.wte.weight.is_meta:  # meta: harness/build.py draws once memory is given
             for name, p in self.named_parameters():  # a tied head is wte's weight: drawn once
                 init_parameter(name, p, cfg.n_layer, seed)
@@ -310,27 +294,22 @@ class RoFormer(nn.Module):
     def _apply(self, fn, *args, **kwargs):  # so the float32 tables stay as rope_table built them
         tables = {n: getattr(self, n) for n in ("rope_cos", "rope_sin", "sin_emb")}
         super()._apply(fn, *args, **kwargs)
-        for name, before in tables.items():
-            if getattr(self, name).dtype != before.dtype and not before.is_meta:
-                setattr(self, name, before.to(getattr(self, name).device))
+        for name, before in tables.items():  # as they were, on the device fn moved them to
+            setattr(self, name, before.to(getattr(self, name).device))
         return self
 
-    def hold_positions(self, start, n, device=None):
+    def hold_positions(self, start, n):
         """Make the fixed tables hold positions start..start+n-1, position p in row p % L of their
-        L rows: written over in place up to L positions (docs/MODEL.md: why), rebuilt larger past."""
+        L rows: written over in place up to L positions (docs/MODEL.md: why), resized past."""
         c = self.config  # `have`: the table whose length the others share, None if no table
         have = {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(c.pos_encoding)
-        if why := c.positions_error(start + n):  # the one table that cannot grow (wpe)
-            raise ValueError(f"{why} (use_cache=False crops)")
+        require_positions(c, start + n)  # the one table that cannot grow: wpe's
         if have is None or self.table_start <= start and start + n <= self.table_start + len(have):
             return  # held already, or no fixed table (the other encodings)
-        size = len(have) if n <= len(have) else max(n, 2 * len(have))
+        size = max(n, len(have))
         for name, rows in self.table_rows(torch.arange(start, start + size, device="cpu")).items():
             rows = rows.roll(start % size, 0)  # row i, position start + i, to row p % size
-            if size == len(have):
-                getattr(self, name).copy_(rows)
-            else:
-                setattr(self, name, rows.to(device or have.device))
+            getattr(self, name).resize_(rows.shape).copy_(rows)  # same shape: same memory
         self.table_start = start
 
     def table_rows(self, pos):  # the fixed tables' rows at positions pos (cpu: also under meta)
@@ -344,30 +323,20 @@ class RoFormer(nn.Module):
             tables = map(torch.cat, zip(tables, rope_table(pos, c.rotary_dim, local)), (-1, -1))
         return dict(zip(("rope_cos", "rope_sin"), tables))  # [rope | local layers'], if theirs
 
-    def position_embedding(self, x, pos):  # hook 1 of 2: what an absolute baseline adds to x
-        rope = self.config.pos_encoding == "rope"  # RoPE adds nothing (and loads no baseline)
-        return x if rope else baselines().position_embedding(self, x, pos)
-
-    def position_bias(self, d, visible):  # hook 2 of 2, relative encodings: a bias on the scores
-        return baselines().position_bias(self, d, visible)
-
     def new_cache(self, total_len, device, window=None):  # for decode.py, which passes it
         """to forward; window: how far back a query sees (None: the context window)."""
-        from caches import KVCache, RecurrentState  # loaded only where a model decodes
-        c, w = self.config, window or self.config.context_window
-        windows = {i: b.attn.window or w for i, b in enumerate(self.blocks)}  # 0: global, all w
-        return (RecurrentState(c.n_layer) if c.attention == "linear" else
-                KVCache(c.n_layer, min(total_len, w), w, device, windows))
+        from caches import new_cache  # loaded only where a model decodes
+        return new_cache(self, total_len, device, window)
 
     def forward(self, idx, targets=None, cache=None, start_pos=0):
         """idx (B, T) at positions start_pos.. -> logits (B, T, V), and the mean cross-entropy of
         targets (-1: ignore). start_pos: an int, or a (1,) tensor as in the static compiled step
         (one graph for every position), whose table rows must be held (hold_positions)."""
         if not isinstance(start_pos, torch.Tensor):  # known on the host: the tables hold it
-            self.hold_positions(start_pos, idx.size(1), idx.device)
+            self.hold_positions(start_pos, idx.size(1))
         pos = torch.arange(idx.size(1), device=idx.device) + start_pos  # absolute positions
-        x = self.drop(self.position_embedding(self.wte(idx), pos))
-        positions = self.designs(Positions(pos), cache)
+        x, positions = self.designs(self.wte(idx), pos, cache)
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x, positions, cache)
         logits = self.lm_head(self.ln_f(x))
@@ -375,25 +344,29 @@ class RoFormer(nn.Module):
             logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def designs(self, positions, cache):
-        """The forward's Positions: every table its layers read, built once for all of them."""
-        c, r, pos = self.config, self.config.rotary_dim, positions.pos
-        if c.pos_encoding == "rope":  # slot p % L holds position p; local layers read the last
-            cos, sin = (table[pos % table.size(0)] for table in (self.rope_cos, self.rope_sin))
-            positions = positions._replace(rope=(cos[..., :r], sin[..., :r]),  # r columns: theirs
-                                           local_rope=(cos[..., -r:], sin[..., -r:]))  # or rope's
-        if c.pos_encoding in RELATIVE:  # the hook's float32 bias in q's dtype, the weights' (under
-            dtype = self.wte.weight.dtype  # autocast SDPA casts its mask itself)
-            positions = positions._replace(bias=lambda *args: self.position_bias(*args).to(dtype))
+    def designs(self, x, pos, cache):
+        """The forward's Positions: every table its layers read, built once for all of them;
+        and x, the token embeddings, with what an absolute baseline adds to them."""
+        c, r = self.config, self.config.rotary_dim  # slot p % L holds position p
+        cos, sin = (table[pos % table.size(0)] for table in (self.rope_cos, self.rope_sin))
+        # by window: global layers' r columns, then local layers' last r (the same columns when
+        # they have no base of their own or there is no window); NoPE layers, None
+        rope = {0: (cos[..., :r], sin[..., :r]), c.window: (cos[..., -r:], sin[..., -r:])}
+        positions = Positions(pos, {**rope, None: None}, first_v=[])
+        if c.pos_encoding != "rope":  # the one hook into baselines.py: its vectors or its bias
+            x, positions = baselines().positions(self, x, positions)
         if c.length_temperature:  # 1 inside the trained context: training at 1x is unchanged
             ratio = ((pos + 1) / c.original_context).clamp(min=1)  # float32 (pos < 2^24 exact)
-            positions = positions._replace(q_scale=1 + c.length_temperature * ratio.log()[:, None])
+            scale = 1 + c.length_temperature * ratio.log()[:, None]  # q's dtype after
+            positions = positions._replace(scale_q=lambda q: (q * scale).to(q.dtype))
         if cache is None:  # every layer of a window attends to the same keys: one mask each
-            positions = positions._replace(own={w: positions.scores(pos, window=w)
-                                                for w in {0, c.window}})
-        return positions._replace(first_v=[])
+            own = {0: (None, None)} if positions.bias is as_is else {}  # SDPA's causal mask
+            for w in {0, c.window} - own.keys():  # a window's, or a baseline's bias: built here
+                d = pos[:, None] - pos[None, :]
+                own[w] = positions.bias((d >= 0) & (d < (w or len(pos))), d), d
+            positions = positions._replace(own=own)
+        return x, positions
 
-    def num_params(self, non_embedding=True):  # non_embedding: less wpe, and wte if untied
-        head = self.lm_head.weight  # named_parameters: a tied head once, as wte.weight
-        return sum(p.numel() for name, p in self.named_parameters() if not non_embedding or
-                   p is head or name not in ("wpe.weight", "wte.weight"))
+    def num_params(self):  # less the lookup tables: wpe, and wte unless tied (then the head)
+        lookups = {self.wte.weight, getattr(self.wpe, "weight", None)} - {self.lm_head.weight}
+        return sum(p.numel() for p in set(self.parameters()) - lookups)

@@ -111,3 +111,15 @@ def tied_head_check(state, prefix, *args):
     if plain and head.data_ptr() != wte.data_ptr() and not torch.equal(head, wte):
         args[-1].append("lm_head.weight is not wte.weight, but tie_embeddings=True: these weights "
                         "are an untied model's (tie_embeddings=False)")
+
+
+def positions_error(cfg, n):
+    """The one line saying why a model of `cfg` cannot run n positions, else None: learned
+    positions end with wpe's rows; every other encoding runs to any length."""
+    if cfg.pos_encoding == "learned" and n > cfg.block_size:
+        return f"learned positions end at block_size={cfg.block_size}: position {n - 1} cannot run"
+
+
+def require_positions(cfg, n):  # RoFormer.hold_positions: a forward refused before any layer
+    if why := positions_error(cfg, n):
+        raise ValueError(f"{why} (use_cache=False crops)")

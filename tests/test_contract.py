@@ -107,7 +107,7 @@ def cached_logits(model, idx, split):
     cache = model.new_cache(total, idx.device)
     out = [decoding.prefill(model, idx[:, :split], cache,
                             min(total, model.config.context_window))]
-    model.hold_positions(0, total, idx.device)
+    model.hold_positions(0, total)
     step = decoding.one_token_step(model, cache, False, idx.device)
     pos = torch.full((1,), split, dtype=torch.long, device=idx.device)
     for t in range(split, total):
@@ -878,8 +878,8 @@ class RotatedValues(RoFormer):
         super().__init__(cfg)
         for block in self.blocks:
             block.attn.softmax = (lambda attn: lambda qkv, positions, cache: type(attn).softmax(
-                attn, torch.cat((qkv[:2], model_module.apply_rope(qkv[2:], *positions.rope)))
-                if positions.rope else qkv, positions, cache))(block.attn)
+                attn, torch.cat((qkv[:2], model_module.apply_rope(qkv[2:], *positions.rope[0])))
+                if positions.rope[0] else qkv, positions, cache))(block.attn)
 
 
 class ScaleFromLength(RoFormer):
@@ -1190,7 +1190,8 @@ class NoPEEvery(RoFormer):
         for i, block in enumerate(self.blocks):
             if cfg.nope_every and (i + 1) % cfg.nope_every == 0:
                 block.attn.register_forward_pre_hook(
-                    lambda mod, args: (args[0], args[1]._replace(rope=None), *args[2:]))
+                    lambda mod, args: (args[0], args[1]._replace(rope=dict.fromkeys(
+                        args[1].rope)), *args[2:]))  # every window's table: none
 
 
 @pytest.mark.parametrize("every", [4, 6])

@@ -65,7 +65,7 @@ def test_position_tables_do_not_grow_with_max_new_tokens(pos_encoding):
     import copy
     m = tiny(pos_encoding=pos_encoding)
     ref = copy.deepcopy(m)
-    ref.hold_positions(0, 100, "cpu")
+    ref.hold_positions(0, 100)
     buffer = lambda: m.rope_cos if pos_encoding == "rope" else m.sin_emb  # noqa: E731
     rows, address = buffer().size(0), buffer().data_ptr()
     prompt = torch.randint(0, 61, (2, 3))
@@ -86,7 +86,7 @@ def test_a_deep_chunk_slides_the_tables_instead_of_growing_them(pos_encoding):
     import copy
     m = tiny(pos_encoding=pos_encoding)
     ref = copy.deepcopy(m)
-    ref.hold_positions(0, 200, "cpu")
+    ref.hold_positions(0, 200)
     buffer = lambda: m.rope_cos if pos_encoding == "rope" else m.sin_emb  # noqa: E731
     rows, address = buffer().size(0), buffer().data_ptr()
     idx = torch.randint(0, 61, (2, rows))
@@ -156,7 +156,7 @@ def test_tensor_position_step_equals_int_position_step():
         outs = []
         for as_tensor in (False, True):
             cache = m.new_cache(T, idx.device)
-            m.hold_positions(0, T, idx.device)
+            m.hold_positions(0, T)
             out = [m(idx[:, :3], cache=cache, start_pos=0)[0]]
             for t in range(3, T):
                 p = torch.tensor([t]) if as_tensor else t
@@ -171,7 +171,7 @@ def test_tensor_start_pos_takes_the_int_path_for_any_chunk():
     for pos_encoding in ["rope", "sinusoidal", "none", "t5"]:
         m = tiny(pos_encoding=pos_encoding, block_size=8)
         idx = torch.randint(0, 61, (2, 12))
-        m.hold_positions(0, 12, idx.device)
+        m.hold_positions(0, 12)
         outs = []
         for start in (3, torch.tensor([3])):
             cache = m.new_cache(12, idx.device)
@@ -262,8 +262,8 @@ def imported_modules(path):
 def test_sample_py_is_a_script_that_nothing_imports():
     """sample.py is the command line only: no project module (harness/, formats/, the scripts, bench/) imports
     it, since the decoding is decode.py and the run loader harness/load.py; and the decoding
-    needs nothing of the project past the model's caches (no loader, no tokenizer, no
-    checkpoint)."""
+    needs nothing of the project past the model's caches and rules (no loader, no tokenizer,
+    no checkpoint)."""
     importers = []
     for folder, _, files in os.walk(ROOT):
         rel = os.path.relpath(folder, ROOT)
@@ -277,7 +277,7 @@ def test_sample_py_is_a_script_that_nothing_imports():
     assert importers == [], f"these import sample.py, a script: {importers}"
     used = {m for m in imported_modules(os.path.join(ROOT, "decode.py"))  # the project's only
             if m.split(".")[0] not in sys.stdlib_module_names | {"torch"}}
-    assert "caches" in used and used <= {"caches", "model", "harness.common"}, used
+    assert "caches" in used and used <= {"caches", "model", "model_checks", "harness.common"}, used
 
 
 def test_learned_positions_past_block_size_are_refused_in_one_line():

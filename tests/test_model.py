@@ -847,9 +847,9 @@ def test_untied_head_is_its_own_matrix_and_matches_the_float64_reference():
     assert torch.equal(m.wte.weight, tied.wte.weight)
     assert torch.allclose(m(idx)[0].double(), reference_forward(m, idx), atol=1e-4)
     V, C = 61, 16
-    assert sum(p.numel() for p in m.parameters()) == tied.num_params(False) + V * C
-    assert m.num_params() == tied.num_params() and m.num_params(False) == tied.num_params(
-        False) + V * C
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in tied.parameters()) \
+        + V * C
+    assert m.num_params() == tied.num_params()
     assert m.num_params() == sum(p.numel() for n, p in m.named_parameters() if n != "wte.weight")
     # the same matmuls per token: the head's, once (a lookup in wte costs no FLOPs)
     assert flops_per_token(m.config, m.num_params(), 16) == flops_per_token(
@@ -1125,8 +1125,8 @@ def test_sinusoidal_table_is_built_once_not_per_forward(monkeypatch):
 def test_params_and_flops():
     m = tiny(pos_encoding="learned")
     n = sum(p.numel() for p in m.parameters())
-    assert m.num_params(non_embedding=False) == n  # tied head counted once
-    assert m.num_params() == n - 16 * 16
+    assert n == sum(p.numel() for _, p in m.named_parameters(remove_duplicate=False)) - 61 * 16
+    assert m.num_params() == n - 16 * 16  # less wpe; the tied head counted once, as the head
     assert flops_per_token(m.config, m.num_params(), 16) > 6 * m.num_params()
 
 

@@ -57,7 +57,7 @@ def run_one(attention, pos, N, n_embd, n_head, reps, chunk):
     x = torch.randn(1, N, n_embd, requires_grad=True)
     table = rope_table(torch.arange(N), n_embd // n_head)
     kinds = {"rope": table, "none": None} if pos == "both" else {pos: table if pos == "rope" else None}
-    kinds = {k: Positions(torch.arange(N), rope, own={0: (None, None)})  # plain causal
+    kinds = {k: Positions(torch.arange(N), {0: rope}, own={0: (None, None)})  # plain causal
              for k, rope in kinds.items()}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = {k: [] for k in kinds}
@@ -86,7 +86,7 @@ def position_step(pos, N, n_embd, n_head):
     p = torch.arange(N)
 
     def step():
-        where = model.designs(Positions(p), None)  # as RoFormer.forward builds them
+        where = model.designs(x, p, None)[1]  # as RoFormer.forward builds them
         layer(x, where).sum().backward()
         model.zero_grad(set_to_none=True)
         x.grad = None

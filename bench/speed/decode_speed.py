@@ -112,7 +112,7 @@ def step_latency(model, pos, steps):
     """Median ms of one cached decode step at positions pos .. pos+steps-1 (batch 1), after
     prefilling pos tokens; and the bytes the caches hold at the end."""
     cache = model.new_cache(pos + steps, "cpu")
-    model.hold_positions(0, pos + steps, "cpu")
+    model.hold_positions(0, pos + steps)
     prompt = torch.randint(model.config.vocab_size, (1, pos))
     tok = model(prompt, cache=cache, start_pos=0)[0][:, -1:].argmax(-1)
     p = torch.tensor([pos])
