@@ -302,10 +302,11 @@ class RoFormer(nn.Module):
         """Make the fixed tables hold positions start..start+n-1, position p in row p % L of their
         L rows: written over in place up to L positions (docs/MODEL.md: why), resized past."""
         c = self.config  # `have`: the table whose length the others share, None if no table
-        have = {"rope": self.rope_cos, "sinusoidal": self.sin_emb}.get(c.pos_encoding)
-        require_positions(c, start + n)  # the one table that cannot grow: wpe's
+        have = {"rope": self.rope_cos, "sinusoidal": self.sin_emb,
+                "learned": getattr(self.wpe, "weight", None)}.get(c.pos_encoding)
         if have is None or self.table_start <= start and start + n <= self.table_start + len(have):
-            return  # held already, or no fixed table (the other encodings)
+            return  # held already, or no table (the other encodings)
+        require_positions(c, start + n)  # the one table that cannot grow, wpe: a line past it
         size = max(n, len(have))
         for name, rows in self.table_rows(torch.arange(start, start + size, device="cpu")).items():
             rows = rows.roll(start % size, 0)  # row i, position start + i, to row p % size
