@@ -17,7 +17,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from model import RoFormer, RoFormerConfig  # noqa: E402
-from muon import Muon, gram_newton_schulz, orthogonalise  # noqa: E402
+import muon  # noqa: E402
+from muon import Muon, gram_newton_schulz, orthogonalise, orthogonalise_batch  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
@@ -132,6 +133,61 @@ def test_the_gram_form_is_the_documented_iteration(shape, spectrum):
                                 for x in (ours, plain, bf16))
     assert err < 1e-3 and err < bf16_err / 100, (err, bf16_err)
     assert spectrum == "decaying" or err < 4 * plain_err, (err, plain_err)
+
+
+# tall, wide and square; one shape turned wide both ways (16 x 48 and 48 x 16), repeats, and a
+# 3x-wide one that takes the Gram form in float64 and float32
+MIXED = [(48, 16), (16, 48), (16, 16), (48, 16), (24, 40), (16, 16), (40, 24), (16, 48), (24, 40)]
+
+
+def test_a_batched_muon_step_is_each_matrix_updated_alone_in_float64():
+    """Muon orthogonalises the matrices of one shape as one batch (muon.orthogonalise_batch):
+    two steps in float64 on matrices of mixed shapes give, for each matrix, the documented
+    update computed for it alone (nesterov momentum, Newton-Schulz on it turned wide and scaled
+    by its own norm, rate lr x sqrt(max(1, rows/cols)), decoupled decay), and the
+    iteration runs once per shape, not once per matrix."""
+    lr, wd, mom = 0.05, 0.1, 0.9
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64))
+              for s in MIXED]
+    want = [p.detach().clone() for p in params]
+    buf = [torch.zeros_like(w) for w in want]
+    opt = Muon(params, lr=lr, weight_decay=wd, momentum=mom, ns_dtype=torch.float64)
+    for step in range(2):
+        for p in params:  # singular values 1 to 0.1 (synthetic_grads' reason)
+            u = torch.linalg.qr(torch.randn(p.shape[0], min(p.shape), generator=gen,
+                                            dtype=torch.float64))[0]
+            v = torch.linalg.qr(torch.randn(p.shape[1], min(p.shape), generator=gen,
+                                            dtype=torch.float64))[0]
+            p.grad = u @ torch.diag(torch.linspace(1, 0.1, min(p.shape), dtype=torch.float64)) @ v.T
+        with mock.patch.object(muon, "newton_schulz", wraps=muon.newton_schulz) as iteration:
+            opt.step()
+        assert iteration.call_count == len(set(MIXED)), iteration.call_count
+        for i, p in enumerate(params):
+            buf[i] = mom * buf[i] + p.grad
+            update = newton_schulz_reference(p.grad + mom * buf[i])
+            rows, cols = p.shape
+            want[i] = want[i] * (1 - lr * wd) - lr * max(1.0, rows / cols) ** 0.5 * update
+            err = (p - want[i]).abs().max().item()
+            assert err < 1e-12, (f"step {step + 1}: matrix {i} {tuple(p.shape)} is {err:.1e} "
+                                 f"from its update computed alone (muon.py's batched step)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batching_changes_no_bit(dtype):
+    """In the dtypes Muon runs in, each matrix of a batch comes out to the bit as when it is
+    orthogonalised alone, and in bfloat16 as torch.optim.Muon's own function makes it (so a
+    record's runs and the torch.optim.Muon equality are unchanged by batching)."""
+    gen = torch.Generator().manual_seed(3)
+    torchs = getattr(getattr(torch.optim, "_muon", None), "_zeropower_via_newtonschulz", None)
+    for shape in set(MIXED):
+        gs = torch.randn(3, *shape, generator=gen)
+        together = orthogonalise_batch(gs, Muon.COEFFICIENTS, 5, 1e-7, dtype)
+        assert together.shape == gs.shape and together.dtype == dtype
+        for g, x in zip(gs, together):
+            assert torch.equal(x, orthogonalise(g, Muon.COEFFICIENTS, 5, 1e-7, dtype)), shape
+            if dtype == torch.bfloat16 and torchs is not None:
+                assert torch.equal(x, torchs(g, Muon.COEFFICIENTS, 5, 1e-7)), shape
 
 
 def test_two_muon_steps_match_the_documented_update_and_adamw_part_matches_plain_adamw():

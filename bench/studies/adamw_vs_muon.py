@@ -117,11 +117,12 @@ ARMS = ("adamw", "muon", "muon, NS in bf16", "muon, no Gram form")
 
 def plain_newton_schulz(x, a, b, c, steps):
     """muon.gram_newton_schulz's stand-in for the "no Gram form" arm: the plain iteration
-    (muon.orthogonalise's other branch), to time the Gram form against it."""
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x
+    (muon.newton_schulz's other branch), to time the Gram form against it; on a batch of
+    matrices (as muon.py gives it) or one."""
+    import muon
+    if x.dim() == 2:
+        return plain_newton_schulz(x[None], a, b, c, steps)[0]
+    return muon.newton_schulz(x, a, b, c, steps, gram_form=False)
 
 
 def step_cost(shape):
