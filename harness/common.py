@@ -2,7 +2,9 @@
 (`error: ...`, exit 1, after undoing the empty folders the command made), and the repo root.
 Imports nothing of the project (harness/torchrun_errors.py only lazily, under torchrun), nor torch
 (data/'s workers import this)."""
+import atexit
 import functools
+import gc
 import os
 import shutil
 import sys
@@ -29,6 +31,36 @@ def cleanup():
     for d in created_dirs:
         if os.path.isdir(d) and all(os.path.join(d, f) in created_files for f in os.listdir(d)):
             shutil.rmtree(d, ignore_errors=True)
+
+
+held = []  # hold_collections turned the garbage collector off (until release_collections)
+
+
+def hold_collections():
+    """Start-up and exit without Python's full garbage collections, where they are waste. The
+    imports (torch, and torch._dynamo, which torch.optim's first step imports) leave ~280k
+    objects that live as long as the process, and Python walks them all again every so many
+    new ones: ~0.5 s of the CPU speedrun's ~2.3 s start-up. Its exit walks them once more
+    before the process frees its memory anyway: ~0.8 s (docs/SPEED.md). So collections are off
+    until release_collections (train.py: before its loop), and at exit gc.freeze takes every
+    object out of them. Only where the caller's script is the process itself (`python
+    train.py`, torchrun's workers): a test that runs train.py inside its own process keeps its
+    collections. Nothing the run writes waits on a finaliser: its files are closed as they are
+    written, and the interpreter flushes stdout and stderr itself."""
+    if sys._getframe(1).f_back is None:  # the caller runs at the process's top level
+        held.append(True)
+        gc.disable()
+        atexit.unregister(gc.freeze)
+        atexit.register(gc.freeze)
+
+
+def release_collections():
+    """hold_collections' end: what start-up built lives to the end, so it is frozen (later
+    collections skip it, the loop's too), and collections go on for what comes after."""
+    if held:
+        held.clear()
+        gc.freeze()
+        gc.enable()
 
 
 def excepthook(kind, value, tb):
