@@ -1624,3 +1624,30 @@ def test_the_logged_rates_are_the_schedule_written_out(data, tmp_path, cooldown)
             want = peak if it <= start else floor + (peak - floor) * (end - it) / (end - start)
         assert record["lr"] == pytest.approx(want, rel=1e-9, abs=1e-15), it
 
+
+
+def test_garbage_collection_is_held_only_where_train_py_is_the_process(tmp_path):
+    """harness/common.py's hold_collections (train.py, after its imports): in a process that
+    runs the script itself, collections stop until release_collections (train.py, before its
+    loop), which freezes what start-up made, and every object is frozen at exit; called inside a
+    longer-lived process (these tests' runpy of train.py) it changes nothing."""
+    import gc
+    from harness import common
+    common.hold_collections()  # from a function: not the process's top level
+    common.release_collections()
+    assert gc.isenabled() and not common.held
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, gc, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from harness import common\n"
+        "atexit.register(lambda: print(gc.get_freeze_count() - frozen > 4000))\n"  # after ours
+        "common.hold_collections()\n"
+        "print(gc.isenabled(), gc.get_freeze_count())\n"
+        "common.release_collections()\n"
+        "frozen = gc.get_freeze_count()\n"
+        "print(gc.isenabled(), frozen > 1000)\n"
+        "made = [[i] for i in range(5000)]\n")  # after release: frozen at exit only
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "0", "True", "True", "True"], out.stdout + out.stderr
