@@ -38,7 +38,7 @@ import optim
 from model import RoFormerConfig
 
 sys.excepthook = common.excepthook  # a UserError ends as one line `error: ...`, exit 1
-common.hold_collections()  # no garbage collection in start-up and exit: ~1 s (common.py)
+common.hold_collections()  # no garbage collection in start-up and exit (common.py: why)
 
 # ----------------------------------------------------------------------------------------
 # defaults

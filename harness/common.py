@@ -38,10 +38,10 @@ held = []  # hold_collections turned the garbage collector off (until release_co
 
 def hold_collections():
     """Start-up and exit without Python's full garbage collections, where they are waste. The
-    imports (torch, and torch._dynamo, which torch.optim's first step imports) leave ~280k
-    objects that live as long as the process, and Python walks them all again every so many
-    new ones: ~0.3 s of the CPU speedrun's ~2.2 s start-up. Its exit walks them once more
-    before the process frees its memory anyway: ~0.65 s (docs/SPEED.md). So collections are off
+    imports (torch, and torch._dynamo, which torch.optim's first step imports) leave hundreds
+    of thousands of objects that live as long as the process, and Python walks them all again
+    every so many new ones; its exit walks them once more before the process frees its memory
+    anyway (what each costs: docs/SPEED.md). So collections are off
     until release_collections (train.py: before its loop), and at exit gc.freeze takes every
     object out of them. Only where the caller's script is the process itself (`python
     train.py`, torchrun's workers): a test that runs train.py inside its own process keeps its
