@@ -720,7 +720,7 @@ def test_learned_positions_decode_a_full_block_prompt_and_one_token():
 def test_the_longest_input_is_one_rule_the_callers_share():
     """Issue 36: learned positions end at the rows of wpe (the reference); forward and
     decode.check_request accept exactly that many positions and refuse one more in one line
-    naming block_size (RoFormerConfig.positions_error, the one rule); the encodings whose tables
+    naming block_size (model_checks.positions_error, the one rule); the encodings whose tables
     grow have no end (here, three times block_size)."""
     from decode import check_request
     for pe in POS_ENCODINGS + ["t5"]:
