@@ -1260,11 +1260,11 @@ class PassesMore(RoFormer):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask,
                                                       **{"scale": q.size(-1) ** -0.5, **kw})
 
-        def with_gain(positions, cache):  # Attention.softmax calls apply_rope(qk, *rope)
-            positions = designs(positions, cache)
-            rope = positions.rope
-            return positions._replace(rope=rope + (GAIN,)) if isinstance(rope, tuple) else \
-                positions
+        def with_gain(x, pos, cache):  # Attention.softmax calls apply_rope(qk, *rope)
+            x, positions = designs(x, pos, cache)
+            rope = {key: table + (GAIN,) if isinstance(table, tuple) else table
+                    for key, table in positions.rope.items()}  # each window's table
+            return x, positions._replace(rope=rope)
 
         def rope_with_gain(x, cos, sin, *a, **k):
             if a and a[0] is GAIN:
@@ -1356,9 +1356,9 @@ class QueriesOnlyTurned(RoFormer):
         super().__init__(cfg)
         for block in self.blocks:
             block.attn.softmax = (lambda attn: lambda qkv, positions, cache: type(attn).softmax(
-                attn, torch.cat((model_module.apply_rope(qkv[:1], *positions.rope[:2],
+                attn, torch.cat((model_module.apply_rope(qkv[:1], *positions.rope[0],
                                                          cfg.rope_pairs), qkv[1:])),
-                positions._replace(rope=None), cache))(block.attn)
+                positions._replace(rope=dict.fromkeys(positions.rope)), cache))(block.attn)
 
 
 @pytest.mark.parametrize("broken,check,prop", SELF_TESTS, ids=lambda x: getattr(x, "__name__",

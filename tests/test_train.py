@@ -1625,7 +1625,6 @@ def test_the_logged_rates_are_the_schedule_written_out(data, tmp_path, cooldown)
         assert record["lr"] == pytest.approx(want, rel=1e-9, abs=1e-15), it
 
 
-
 def test_garbage_collection_is_held_only_where_train_py_is_the_process(tmp_path):
     """harness/common.py's hold_collections (train.py, after its imports): in a process that
     runs the script itself, collections stop until release_collections (train.py, before its
